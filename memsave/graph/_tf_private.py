@@ -1,0 +1,76 @@
+"""Every use of TensorFlow's private graph APIs lives here, and only here.
+
+These calls (`Operation._update_input`, `Operation._add_control_inputs`,
+`Graph._create_op_internal`, ...) are what graph surgery needs and what TF 2.x
+no longer exposes publicly. Keeping them in one module means a TensorFlow upgrade
+that changes them breaks one file, and the rest of memsave reads as public API.
+"""
+
+from tensorflow.python.framework import ops as tf_ops
+
+
+def update_input(op, index, tensor):
+    """Makes input `index` of `op` read `tensor` (in place)."""
+    op._update_input(index, tensor)
+
+
+def add_control_inputs(op, control_ops):
+    """Adds `control_ops` as control inputs of `op`, skipping ones it already has."""
+    existing = set(op.control_inputs)
+    new = [c for c in control_ops if c not in existing and c is not op]
+    if new:
+        op._add_control_inputs(new)
+
+
+def control_outputs(op):
+    """The ops that have `op` as a control input."""
+    return list(op._control_outputs)
+
+
+def create_op_like(op, inputs, name):
+    """Creates a new op in `op.graph` with the type, attributes and device of `op`.
+
+    Args:
+      op: the op to imitate.
+      inputs: the data inputs of the new op.
+      name: the wanted name; made unique by the graph.
+    Returns:
+      The new `tf.Operation`.
+    """
+    graph = op.graph
+    attrs = {key: op.node_def.attr[key] for key in op.node_def.attr}
+    new_op = graph._create_op_internal(
+        op.type, list(inputs), dtypes=[t.dtype for t in op.outputs], name=name,
+        attrs=attrs, op_def=op.op_def, compute_device=False)
+    if op.device:
+        new_op._set_device(op.device)
+    return new_op
+
+
+def control_flow_context(op):
+    """The v1 control-flow context (cond or while frame) of `op`, or None."""
+    return op._get_control_flow_context()
+
+
+def is_func_graph(graph):
+    """True for a `tf.function` body (a FuncGraph)."""
+    return getattr(graph, "building_function", False)
+
+
+def graph_tensor_of_variable(variable, graph):
+    """The tensor that stands for `variable`'s handle inside `graph`.
+
+    In a tf.compat.v1 graph that is `variable.handle`; inside a `tf.function`, an
+    outer variable's handle is an eager tensor and the body's own tensor is the
+    graph's capture of it.
+    """
+    handle = variable.handle
+    if getattr(handle, "graph", None) is graph:
+        return handle
+    if is_func_graph(graph) and isinstance(handle, tf_ops.EagerTensor):
+        return graph.capture(handle)
+    return handle
+
+
+def is_eager_tensor(value):
+    return isinstance(value, tf_ops.EagerTensor)
