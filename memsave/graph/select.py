@@ -117,34 +117,64 @@ def make_list_of_op(ops, allow_tensors=True, ignore_ts=False):
     return _unique_ops(result)
 
 
-def make_list_of_t(ts, allow_ops=False, ignore_ops=False):
+def make_list_of_t(ts, allow_ops=False, ignore_ops=False, allow_duplicates=False):
     """Normalises tensors (or, if allowed, ops standing for their outputs) to a list.
 
     Args:
       ts: a tensor, an op, a `tf.Graph`, or a list/tuple of them.
       allow_ops: if True, an op stands for all its outputs.
       ignore_ops: if True, ops are silently dropped.
+      allow_duplicates: if True, keep every item where it is (positions matter,
+        e.g. for the pairs of `reroute_ts`); otherwise drop repeats.
     Returns:
-      A list of graph tensors without duplicates, in first-seen order.
+      A list of graph tensors, in first-seen order.
     Raises:
       TypeError: for anything else.
     """
     if isinstance(ts, tf.Graph):
         return [t for op in ts.get_operations() for t in op.outputs]
-    result = TensorSet()
+    result = []
     for item in _as_list(ts):
         if isinstance(item, tf.Operation):
             if ignore_ops:
                 continue
             if not allow_ops:
                 raise TypeError(f"memsave.graph: expected tensors, got op {item.name}")
-            for t in item.outputs:
-                result.add(t)
+            result.extend(item.outputs)
         elif isinstance(item, tf.Tensor) and not _tf_private.is_eager_tensor(item):
-            result.add(item)
+            result.append(item)
         else:
             raise TypeError(f"memsave.graph: expected a graph tensor, got {type(item).__name__}")
-    return list(result)
+    return result if allow_duplicates else list(TensorSet(result))
+
+
+def make_op_membership(ops):
+    """A set of ops for membership tests only (`can_modify`, `within_ops`, ...).
+
+    Unlike `make_list_of_op` it accepts sets, since the order of a membership
+    test does not matter.
+
+    Args:
+      ops: ops and/or tensors (standing for their producers), in any iterable,
+        or a single op, tensor or graph.
+    Returns:
+      A `set` of `tf.Operation`.
+    Raises:
+      TypeError: for anything that is not an op, tensor or graph.
+    """
+    if isinstance(ops, (set, frozenset)):
+        ops = list(ops)
+    elif not isinstance(ops, (tf.Graph, tf.Operation, tf.Tensor, list, tuple)):
+        ops = list(ops)
+    return set(make_list_of_op(ops))
+
+
+def _tensor_membership(ts):
+    """A TensorSet of `ts` for membership tests (accepts sets and other iterables)."""
+    if isinstance(ts, (set, frozenset)) or not isinstance(
+            ts, (tf.Graph, tf.Operation, tf.Tensor, list, tuple)):
+        ts = list(ts)
+    return TensorSet(make_list_of_t(ts, allow_ops=False))
 
 
 def get_consuming_ops(ts):
@@ -160,7 +190,7 @@ def get_generating_ops(ts):
 def _walk(seed_ops, next_ops, inclusive, within_ops):
     """Breadth-first walk; `next_ops(op)` yields the neighbours to visit."""
     seeds = make_list_of_op(seed_ops)
-    within = None if within_ops is None else set(make_list_of_op(within_ops))
+    within = None if within_ops is None else make_op_membership(within_ops)
     if within is not None:
         seeds = [op for op in seeds if op in within]
     visited = dict.fromkeys(seeds)
@@ -190,7 +220,7 @@ def get_backward_walk_ops(seed_ops, inclusive=True, within_ops=None, stop_at_ts=
     Returns:
       A list of ops in discovery order.
     """
-    stop = TensorSet(make_list_of_t(stop_at_ts, allow_ops=False)) if stop_at_ts else TensorSet()
+    stop = _tensor_membership(stop_at_ts)
 
     def inputs_of(op):
         producers = [t.op for t in op.inputs if t not in stop]
@@ -215,7 +245,7 @@ def get_forward_walk_ops(seed_ops, inclusive=True, within_ops=None, stop_at_ts=(
     Returns:
       A list of ops in discovery order.
     """
-    stop = TensorSet(make_list_of_t(stop_at_ts, allow_ops=False)) if stop_at_ts else TensorSet()
+    stop = _tensor_membership(stop_at_ts)
     seeds = _as_list(seed_ops)
     seed_tensors = [s for s in seeds if isinstance(s, tf.Tensor)]
     if seed_tensors:

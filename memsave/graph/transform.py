@@ -44,24 +44,31 @@ def copy_with_input_replacements(ops, replacements=(), name_scope="copy",
                                  copy_control_inputs=True):
     """Copies `ops` into their own graph.
 
-    Inputs produced inside the copied set are read from the copies; inputs listed
-    in `replacements` are read from their replacement; every other input is read
-    from the original tensor. Copies keep the original's type, attributes
-    (colocation included), device and static shape.
+    Each input of a copy is, in this order of precedence: the copy of the tensor
+    if its producer is in the copied set; its replacement if `replacements` names
+    it (so replacements act on the inputs coming from outside the set, as in the
+    old graph editor); otherwise the original tensor. Copies keep the original's
+    type, attributes (colocation and `_gradient_op_type` included), device and
+    static shape. Like any new op, they also get the control dependencies of an
+    enclosing `tf.control_dependencies` block.
 
     Args:
-      ops: the ops to copy (ops, tensors or a list of them), all in one graph.
+      ops: the ops to copy (ops, tensors standing for their producers, or a
+        list of them), all in one graph.
       replacements: pairs `(original_tensor, replacement_tensor)`, or a TensorMap.
-      name_scope: prefix for the copies' names.
+      name_scope: prefix for the copies' names (made unique by the graph).
       copy_control_inputs: keep the originals' control inputs (mapped to copies
         where the control input is itself copied).
     Returns:
       A `CopyResult`.
     Raises:
-      ValueError: if the ops contain a cycle.
+      ValueError: if the ops contain a cycle, span several graphs, or a
+        replacement's graph, dtype or shape does not fit the tensor it replaces.
+        Nothing is created then.
     """
     ordered = topological_sort(make_list_of_op(ops))
     replace = replacements if isinstance(replacements, TensorMap) else TensorMap(replacements)
+    _check_copy_inputs(ordered, replace)
     result = CopyResult()
     for op in ordered:
         inputs = [_resolve_input(t, replace, result) for t in op.inputs]
@@ -80,3 +87,20 @@ def _resolve_input(t, replace, result):
     if copied is not None:
         return copied
     return replace.get(t, t)
+
+
+def _check_copy_inputs(ops, replace):
+    graphs = list(dict.fromkeys(op.graph for op in ops))
+    if len(graphs) > 1:
+        raise ValueError("memsave.graph: cannot copy ops from several graphs at once")
+    for original, replacement in replace.items():
+        if graphs and replacement.graph is not graphs[0]:
+            raise ValueError(f"memsave.graph: replacement {replacement.name} for {original.name} "
+                             "is in another graph than the ops to copy")
+        if replacement.dtype.base_dtype != original.dtype.base_dtype:
+            raise ValueError(f"memsave.graph: cannot replace {original.name} "
+                             f"({original.dtype.name}) by {replacement.name} "
+                             f"({replacement.dtype.name}): dtypes differ")
+        if not replacement.shape.is_compatible_with(original.shape):
+            raise ValueError(f"memsave.graph: cannot replace {original.name} {original.shape} "
+                             f"by {replacement.name} {replacement.shape}: shapes are incompatible")

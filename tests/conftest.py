@@ -1,0 +1,109 @@
+"""Shared fixtures: run the same graph-building code in both kinds of TF graph.
+
+`run_graph(build, feeds)` is parametrized over the two graph kinds memsave
+supports: a `tf.compat.v1` Graph run in a Session, and the body of a
+`tf.function` (a FuncGraph, where tensors are unhashable). `build(graph, inputs)`
+builds (and may inspect or edit) the graph; what it returns is evaluated and
+handed back as numpy values.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+GRAPH_KINDS = ("v1", "function")
+
+
+def _run_v1(build, feeds):
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs = {name: tf.compat.v1.placeholder(tf.as_dtype(value.dtype), value.shape, name=name)
+                  for name, value in feeds.items()}
+        fetches = build(graph, inputs)
+        if fetches is None:
+            return None
+        with tf.compat.v1.Session(graph=graph) as session:
+            return session.run(fetches, {inputs[name]: value for name, value in feeds.items()})
+
+
+def _run_function(build, feeds):
+    names = list(feeds)
+    signature = [tf.TensorSpec(feeds[name].shape, tf.as_dtype(feeds[name].dtype), name=name)
+                 for name in names]
+
+    @tf.function(autograph=False, input_signature=signature)
+    def body(*args):
+        return build(tf.compat.v1.get_default_graph(), dict(zip(names, args)))
+
+    result = body(*[tf.constant(feeds[name]) for name in names])
+    return tf.nest.map_structure(lambda t: None if t is None else t.numpy(), result)
+
+
+def run_in_graph(kind, build, feeds=None):
+    """Builds with `build(graph, inputs)` in a graph of `kind` and evaluates what it returns.
+
+    Args:
+      kind: "v1" (tf.compat.v1 Graph + Session) or "function" (tf.function body).
+      build: a callable `(graph, inputs) -> fetches`; `inputs` maps each feed
+        name to a placeholder (v1) or a function argument (also a Placeholder op).
+        Fetches may be any nest of tensors, or None.
+      feeds: a dict from input name to numpy array (fixes dtype and shape).
+    Returns:
+      The fetches as numpy values (same nesting), or None.
+    """
+    feeds = {name: np.asarray(value) for name, value in (feeds or {}).items()}
+    if kind == "v1":
+        return _run_v1(build, feeds)
+    if kind == "function":
+        return _run_function(build, feeds)
+    raise ValueError(f"unknown graph kind {kind!r}; expected one of {GRAPH_KINDS}")
+
+
+@pytest.fixture(params=GRAPH_KINDS)
+def graph_kind(request):
+    """The graph kind of this test run: "v1" or "function"."""
+    return request.param
+
+
+@pytest.fixture
+def run_graph(graph_kind):
+    """`run_graph(build, feeds=None)`: `run_in_graph` bound to this run's graph kind."""
+
+    def run(build, feeds=None):
+        return run_in_graph(graph_kind, build, feeds)
+
+    run.kind = graph_kind
+    return run
+
+
+def build_classic_graph():
+    """The reference graph of the SPEC, built in the current default graph.
+
+    `a` const; scope `foo`: `b` const, `c = a + b`, `d` const; scope `foo/bar`:
+    `e = c + d`, `f = c + d`, `g = c + a`, `h = f + g` with a control input on `c`.
+
+    Returns:
+      A dict from the short names "a".."h" to their tensors.
+    """
+    t = {"a": tf.constant(1.0, name="a")}
+    with tf.name_scope("foo"):
+        t["b"] = tf.constant(2.0, name="b")
+        t["c"] = tf.add(t["a"], t["b"], name="c")
+        t["d"] = tf.constant(3.0, name="d")
+        with tf.name_scope("bar"):
+            t["e"] = tf.add(t["c"], t["d"], name="e")
+            t["f"] = tf.add(t["c"], t["d"], name="f")
+            t["g"] = tf.add(t["c"], t["a"], name="g")
+            with tf.control_dependencies([t["c"].op]):
+                t["h"] = tf.add(t["f"], t["g"], name="h")
+    return t
+
+
+@pytest.fixture
+def classic_graph():
+    """`build_classic_graph` as a fixture: call it inside a graph to build there."""
+    return build_classic_graph
