@@ -1,0 +1,219 @@
+"""Route `tf.gradients` and its kin through memsave for a while.
+
+    with memsave.patch(checkpoints='memory'):
+        train_op = tf.compat.v1.train.AdamOptimizer().minimize(loss)
+
+    @memsave.patch(checkpoints='speed')
+    def build_graph(): ...
+
+While a patch is active these names compute their gradients with memsave:
+
+- `tf.gradients` (also reachable as `tf.compat.v2.gradients`);
+- `tf.compat.v1.gradients`;
+- the `gradients` function that `tf.compat.v1.train.Optimizer.compute_gradients`
+  (and so `minimize`) looks up at call time: the module attribute
+  `tensorflow.python.ops.gradients.gradients`.
+
+On exit, also when the body raises, every one of them is put back exactly as it
+was (the same object, or no attribute if there was none). Patches nest: the
+innermost active patch's strategy wins, and the outer one is in force again once
+the inner exits. Entering the same strategy twice is harmless.
+
+memsave's own rewrite calls `tf.gradients` for each segment; while a patch is
+active such calls made from inside memsave go to the original function, never
+back into memsave (see `original_gradients`).
+
+Importing this module patches nothing.
+"""
+
+import contextlib
+import importlib
+import inspect
+import logging
+import threading
+
+from memsave.errors import MemsaveError
+from memsave.integrations.optimizers import check_checkpoints, gradient_function
+
+_log = logging.getLogger(__name__)
+
+# Where the gradient functions are looked up: (dotted path from the `tensorflow`
+# module or an importable module name, attribute). Resolved when a patch starts.
+_API_SITES = ("", "compat.v2", "compat.v1")      # tf.gradients, tf.compat.v{2,1}.gradients
+_MODULE_SITES = ("tensorflow.python.ops.gradients",)  # what v1 optimizers call
+_ATTRIBUTE = "gradients"
+
+_lock = threading.RLock()
+# The active patches, innermost last; each entry is (Patch, checkpoints).
+_active = []
+# While any patch is active: the saved attribute slots, in the order they were
+# patched. Each is (owner, present, value): owner's __dict__ had the attribute
+# (`present`) with `value`.
+_saved = []
+# Original function per patched owner id, for calls that must bypass memsave.
+_originals = {}
+_local = threading.local()
+
+
+def _sites():
+    """The objects whose `gradients` attribute a patch replaces, in patch order."""
+    import tensorflow as tf
+    owners = []
+    for path in _API_SITES:
+        owner = tf
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        owners.append(owner)
+        wrapped = vars(owner).get("_tfmw_wrapped_module")
+        if wrapped is not None:
+            # tf.compat.v1 is a TFModuleWrapper: its setattr also writes the module
+            # it wraps; save that module's slot too so it is restored exactly.
+            owners.append(wrapped)
+    owners.extend(importlib.import_module(name) for name in _MODULE_SITES)
+    unique = []
+    for owner in owners:
+        if all(owner is not seen for seen in unique):
+            unique.append(owner)
+    return unique
+
+
+def _in_memsave():
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _inside_memsave():
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _make_dispatcher(original):
+    """A stand-in for `original` that sends calls to the innermost patch's memsave."""
+
+    signature = inspect.signature(original)
+
+    def gradients(*args, **kwargs):
+        with _lock:
+            checkpoints = _active[-1][1] if _active else None
+        if checkpoints is None or _in_memsave():
+            return original(*args, **kwargs)
+        # tf.gradients and tf.compat.v1.gradients differ in their positional
+        # order: bind to the original's signature, pass everything by name.
+        arguments = signature.bind(*args, **kwargs).arguments
+        with _inside_memsave():
+            return gradient_function(checkpoints)(**arguments)
+
+    gradients.__name__ = getattr(original, "__name__", "gradients")
+    gradients.__qualname__ = gradients.__name__
+    gradients.__doc__ = (f"Patched by memsave.patch: computes with memsave.\n\n"
+                         f"{getattr(original, '__doc__', '') or ''}")
+    gradients.__wrapped__ = original
+    gradients.memsave_original = original
+    return gradients
+
+
+def _install():
+    owners = _sites()
+    # Read everything before writing anything: a TFModuleWrapper's setattr also
+    # writes the module it wraps.
+    for owner in owners:
+        present = _ATTRIBUTE in vars(owner)
+        _saved.append((owner, present, vars(owner).get(_ATTRIBUTE)))
+        _originals[id(owner)] = getattr(owner, _ATTRIBUTE)
+    dispatchers = {}
+    try:
+        for owner in owners:
+            original = _originals[id(owner)]
+            key = id(original)
+            if key not in dispatchers:
+                dispatchers[key] = _make_dispatcher(original)
+            setattr(owner, _ATTRIBUTE, dispatchers[key])
+    except (AttributeError, TypeError):
+        _uninstall()
+        raise
+    _log.debug("memsave.patch: routed %d gradients attributes through memsave", len(owners))
+
+
+def _uninstall():
+    # Reverse order: a TFModuleWrapper is restored before the module it wraps.
+    errors = []
+    while _saved:
+        owner, present, value = _saved.pop()
+        try:
+            if present:
+                setattr(owner, _ATTRIBUTE, value)
+            elif _ATTRIBUTE in vars(owner):
+                delattr(owner, _ATTRIBUTE)
+        except (AttributeError, TypeError) as err:  # keep restoring the rest
+            errors.append(f"{getattr(owner, '__name__', owner)}: {err}")
+    _originals.clear()
+    if errors:
+        raise MemsaveError("could not restore every patched tf.gradients: "
+                           + "; ".join(errors)
+                           + ". Restart the Python process to get a clean TensorFlow.")
+    _log.debug("memsave.patch: restored the original gradients functions")
+
+
+def original_gradients():
+    """The un-patched `tf.gradients`, whether or not a patch is active.
+
+    Returns:
+      The function `tf.gradients` was before the outermost active patch (the
+      current `tf.gradients` when none is active).
+    """
+    import tensorflow as tf
+    with _lock:
+        return _originals.get(id(tf), tf.gradients)
+
+
+def active_checkpoints():
+    """The strategy of the innermost active patch, or None when none is active."""
+    with _lock:
+        return _active[-1][1] if _active else None
+
+
+class patch(contextlib.ContextDecorator):  # noqa: N801 -- used like a function
+    """Routes tf.gradients & co. through memsave (context manager or decorator).
+
+    Args:
+      checkpoints: strategy for every patched call: 'collection', 'speed',
+        'memory', or a list of tensors (or tensor names) to keep.
+    Raises:
+      MemsaveError: if `checkpoints` names no strategy.
+
+    Example:
+        with memsave.patch(checkpoints='memory'):
+            grads = tf.gradients(loss, params)           # memsave
+            train_op = opt.minimize(loss)                 # memsave (v1 optimizer)
+        grads = tf.gradients(loss, params)               # plain TF again
+    """
+
+    def __init__(self, checkpoints="collection"):
+        self.checkpoints = check_checkpoints(checkpoints)
+        self._tokens = []
+
+    def __enter__(self):
+        token = object()
+        with _lock:
+            if not _active:
+                _install()
+            _active.append((token, self.checkpoints))
+        self._tokens.append(token)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        token = self._tokens.pop()
+        with _lock:
+            for i in range(len(_active) - 1, -1, -1):
+                if _active[i][0] is token:
+                    del _active[i]
+                    break
+            if not _active:
+                _uninstall()
+        return False
+
+    def __repr__(self):
+        return f"memsave.patch(checkpoints={self.checkpoints!r})"
