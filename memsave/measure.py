@@ -5,15 +5,32 @@ must be switched on *before* TensorFlow is imported, and peaks of different
 configurations mix if they share a process. So every configuration is measured in
 a fresh Python process: `run_isolated("package.module:function", **kwargs)` runs
 the function there with the allocator set up and returns what it returned (JSON).
+
+On a machine with a GPU the memory of interest is the GPU's: `memory_device()`
+picks "GPU:0" when one is present, and the same helpers read its allocator.
+
+Memory caps, so a benchmark can show where plain `tf.gradients` runs out:
+`memory_limit_env(mb)` is the environment for a child whose CPU (BFC) allocator
+refuses to grow past `mb` (TensorFlow then raises ResourceExhaustedError, "OOM
+when allocating tensor"); `apply_gpu_memory_limit(mb)`, called in the child
+before the GPU is first used, does the same for GPU:0 with a virtual device.
+`is_oom_failure(error)` tells an out-of-memory child from a crash.
 """
 
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 
+logger = logging.getLogger(__name__)
+
 BFC_ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+CPU_MEMORY_LIMIT_ENV = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+_OOM_MARKERS = ("ResourceExhaustedError", "OOM when allocating", "std::bad_alloc",
+                "Out of memory", "out of memory")
 _RESULT_MARKER = "MEMSAVE_RESULT_JSON:"
 
 _CHILD = """
@@ -26,7 +43,18 @@ sys.stdout.write("\\n{marker}" + json.dumps(result) + "\\n")
 
 
 class IsolatedRunError(RuntimeError):
-    """A configuration measured in its own process failed; carries its stderr."""
+    """A configuration measured in its own process failed; carries its stderr.
+
+    Attributes:
+      returncode: the child's exit status (negative: killed by that signal;
+        None: it ran past its timeout and was killed).
+      stderr: the child's whole stderr.
+    """
+
+    def __init__(self, message, returncode=None, stderr=""):
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr = stderr or ""
 
 
 def run_isolated(target, timeout=600, env=None, **kwargs):
@@ -45,17 +73,97 @@ def run_isolated(target, timeout=600, env=None, **kwargs):
     """
     child_env = dict(os.environ, **BFC_ENV, **(env or {}))
     spec = json.dumps({"target": target, "kwargs": kwargs})
-    proc = subprocess.run([sys.executable, "-c", _CHILD.format(marker=_RESULT_MARKER), spec],
-                          capture_output=True, text=True, timeout=timeout, env=child_env)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD.format(marker=_RESULT_MARKER), spec],
+                              capture_output=True, text=True, timeout=timeout, env=child_env)
+    except subprocess.TimeoutExpired as expired:
+        stderr = expired.stderr or ""
+        if isinstance(stderr, bytes):
+            stderr = stderr.decode(errors="replace")
+        raise IsolatedRunError(f"{target} ran past its timeout of {timeout} s",
+                               returncode=None, stderr=stderr) from expired
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(_RESULT_MARKER):
             return json.loads(line[len(_RESULT_MARKER):])
-    raise IsolatedRunError(f"{target} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    raise IsolatedRunError(f"{target} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}",
+                           returncode=proc.returncode, stderr=proc.stderr)
 
 
 def _device_for_memory():
     import tensorflow as tf
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+def memory_device():
+    """"GPU:0" when TensorFlow sees a GPU, else "CPU:0": the device whose peak is measured."""
+    return _device_for_memory()
+
+
+def memory_limit_env(limit_mb):
+    """Environment for `run_isolated(env=...)` capping the child's CPU allocator at `limit_mb`.
+
+    Empty when `limit_mb` is None. Takes effect only with the BFC allocator, which
+    run_isolated always switches on.
+    """
+    if limit_mb is None:
+        return {}
+    return {CPU_MEMORY_LIMIT_ENV: str(int(limit_mb))}
+
+
+def apply_gpu_memory_limit(limit_mb):
+    """Caps GPU:0 at `limit_mb` with a virtual device; returns False when there is no GPU.
+
+    Must run before TensorFlow first uses the GPU (at the start of a child process).
+    """
+    import tensorflow as tf
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus or limit_mb is None:
+        return False
+    tf.config.set_logical_device_configuration(
+        gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(limit_mb))])
+    logger.info("GPU:0 capped at %d MB", int(limit_mb))
+    return True
+
+
+def is_oom_failure(error):
+    """Whether an IsolatedRunError looks like the child ran out of memory.
+
+    True when the child was killed by SIGKILL (what the kernel's OOM killer sends)
+    or its stderr names an allocation failure.
+    """
+    if getattr(error, "returncode", None) == -signal.SIGKILL:
+        return True
+    text = getattr(error, "stderr", "") or str(error)
+    return any(marker in text for marker in _OOM_MARKERS)
+
+
+def sync_devices():
+    """Waits until queued device work is done (GPU kernels run asynchronously)."""
+    import tensorflow as tf
+    sync = getattr(getattr(tf.test, "experimental", None), "sync_devices", None)
+    if sync is not None and tf.config.list_physical_devices("GPU"):
+        sync()
+
+
+def device_description():
+    """A short description of the measured device, for result tables."""
+    import platform
+
+    import tensorflow as tf
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        details = tf.config.experimental.get_device_details(gpus[0])
+        return f"GPU: {details.get('device_name', gpus[0].name)}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU: {model}, {os.cpu_count()} cores"
 
 
 def peak_memory_bytes(fn, device=None):

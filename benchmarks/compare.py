@@ -1,0 +1,622 @@
+"""tf.gradients against memsave's strategies, side by side, each in its own process.
+
+    python benchmarks/compare.py                       # ResNet-style CNN, default sizes
+    python benchmarks/compare.py --model mlp --steps 10 --csv mlp.csv --markdown mlp.md
+    python benchmarks/compare.py --sweep --depths 6,12,24,48 --memory-limit-mb 400
+    python benchmarks/compare.py --build-time          # rewrite time on generated graphs
+
+Every configuration (model, depth, strategy) runs in a fresh Python process
+(`memsave.measure.run_isolated`) with TensorFlow's BFC allocator on, so peaks do
+not mix. In that process: build the model (seeded: the same weights and data in
+every process), trace the training step, run it once (Grappler and executor
+setup), `--warmup` more times, then `--steps` timed steps while the allocator
+records its peak. The gradients of the first step are saved and compared, in the
+parent, with tf.gradients's from its own process.
+
+Columns of the table:
+  peak MB     the allocator's peak during the timed steps (GPU:0 when a GPU is
+              present, else CPU), including weights, data and gradients;
+  x tf        that peak, and the step time, divided by tf.gradients's;
+  step ms     median wall time of one step (forward, loss, gradients);
+  max rel err max over variables of max|g - g_tf| / max|g_tf|;
+  build s     seconds spent inside the gradient function while tracing
+              (tf.gradients itself, or memsave's whole rewrite);
+  ckpts       checkpoints memsave kept (from memsave.last_report()).
+"""
+
+import argparse
+import csv
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from memsave import measure  # noqa: E402
+
+logger = logging.getLogger("memsave.benchmarks")
+
+BASELINE = "tf.gradients"
+MEMSAVE_STRATEGIES = ("speed", "memory", "collection")
+# Models whose forward pass marks checkpoints (mirrors models.py; a test checks it).
+MARKING_MODELS = ("cnn", "mlp", "transformer")
+DEFAULT_SWEEP_DEPTHS = {"cnn": (3, 6, 12, 24, 48), "mlp": (8, 16, 32, 64, 128),
+                        "transformer": (2, 4, 8, 16, 32), "keras": (0,)}
+CHILD_TARGET = "benchmarks.compare:measure_config"
+
+TABLE_COLUMNS = ("strategy", "peak MB", "x tf", "step ms", "x tf", "max rel err", "build s",
+                 "ckpts")
+CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_ratio",
+              "resting_mb", "step_ms", "time_ratio", "max_rel_err", "grad_build_s", "trace_s",
+              "first_call_s", "checkpoints", "graph_ops", "device", "message")
+
+
+# ----------------------------------------------------------------------------- child side
+
+def _strategy_gradient_fn(strategy, model):
+    """(grad_fn(ys, xs), timings dict) for a strategy name; timings gets 'grad_build_s'."""
+    import tensorflow as tf
+
+    import memsave
+
+    if strategy == BASELINE:
+        def compute(ys, xs):
+            return tf.gradients(ys, xs)
+    elif strategy in MEMSAVE_STRATEGIES:
+        def compute(ys, xs):
+            return memsave.gradients(ys, xs, checkpoints=strategy)
+    elif strategy.startswith("every:"):
+        every = int(strategy.split(":", 1)[1])
+        if every < 1:
+            raise ValueError(f"every:K needs K >= 1, got {strategy!r}")
+
+        def compute(ys, xs):
+            chosen = model.block_outputs[every - 1::every]
+            return memsave.gradients(ys, xs, checkpoints=chosen)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; use {BASELINE}, "
+                         f"{', '.join(MEMSAVE_STRATEGIES)} or every:K")
+
+    timings = {"grad_build_s": 0.0}
+
+    def grad_fn(ys, xs):
+        start = time.perf_counter()
+        result = compute(ys, xs)
+        timings["grad_build_s"] += time.perf_counter() - start
+        return result
+
+    return grad_fn, timings
+
+
+def _report_summary(strategy):
+    """Checkpoint count and summary line of memsave's latest rewrite, if it reports one."""
+    if strategy == BASELINE:
+        return {}
+    import memsave
+
+    report = memsave.last_report() if hasattr(memsave, "last_report") else None
+    if report is None:
+        return {}
+    summary = {}
+    checkpoints = getattr(report, "checkpoints", None)
+    if checkpoints is not None:
+        summary["checkpoints"] = len(checkpoints)
+    for field in ("copied_ops", "kept_bytes", "recomputed_bytes", "fallback"):
+        value = getattr(report, field, None)
+        if value is not None:
+            summary[field] = value
+    if hasattr(report, "summary"):
+        summary["report"] = report.summary()
+    return summary
+
+
+def _gradient_arrays(grads):
+    """numpy arrays of a step's gradients (IndexedSlices densified), and their kinds."""
+    import tensorflow as tf
+
+    arrays, kinds = [], []
+    for grad in grads:
+        if grad is None:
+            arrays.append(None)
+            kinds.append("none")
+        elif isinstance(grad, tf.IndexedSlices):
+            arrays.append(tf.convert_to_tensor(grad).numpy())
+            kinds.append("sparse")
+        else:
+            arrays.append(grad.numpy())
+            kinds.append("dense")
+    return arrays, kinds
+
+
+def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps=5, warmup=2,
+                   seed=0, grads_path=None, memory_limit_mb=None, model_options=None):
+    """One configuration, measured in the current (fresh) process; returns a JSON-able dict.
+
+    Out of memory (ResourceExhaustedError, e.g. under `memory_limit_mb`) is a result:
+    {"status": "OOM", ...}; so is a memsave refusal ({"status": "error", ...}).
+    """
+    import tensorflow as tf
+
+    if memory_limit_mb:
+        measure.apply_gpu_memory_limit(memory_limit_mb)
+    import memsave
+
+    result = {"model": model, "strategy": strategy, "device": measure.device_description()}
+    try:
+        result.update(_measure(model, depth, batch, strategy, steps, warmup, seed, grads_path,
+                               model_options or {}))
+        result["status"] = "ok"
+    except tf.errors.ResourceExhaustedError as error:
+        result.update(status="OOM", message=_first_line(error.message))
+    except memsave.MemsaveError as error:
+        result.update(status="error", message=_first_line(str(error)))
+    return result
+
+
+def _first_line(text):
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")[:300]
+
+
+def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path, model_options):
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks.models import build_model
+
+    tf.random.set_seed(seed)
+    device = measure.memory_device()
+    model = build_model(model_name, depth=depth, batch=batch, seed=seed, **model_options)
+    out = {"description": model.description, "parameters": model.num_parameters(),
+           "marks_checkpoints": model.marks_checkpoints,
+           "depth": depth, "batch": int(model.inputs[0].shape[0]),
+           "weights_checksum": float(sum(np.abs(v.numpy()).sum(dtype=np.float64)
+                                         for v in model.variables))}
+    grad_fn, timings = _strategy_gradient_fn(strategy, model)
+    step = model.make_step(grad_fn)
+    inputs = [tf.constant(array) for array in model.inputs]
+
+    start = time.perf_counter()
+    concrete = step.get_concrete_function(*inputs)
+    out["trace_s"] = time.perf_counter() - start
+    out["grad_build_s"] = timings["grad_build_s"]
+    out["graph_ops"] = len(concrete.graph.get_operations())
+    out.update(_report_summary(strategy))
+
+    start = time.perf_counter()
+    loss, grads = step(*inputs)
+    measure.sync_devices()
+    out["first_call_s"] = time.perf_counter() - start
+    out["loss"] = float(loss)
+    arrays, out["grad_kinds"] = _gradient_arrays(grads)
+    if grads_path:
+        np.savez(grads_path, **{f"g{i:04d}": a for i, a in enumerate(arrays) if a is not None})
+    del loss, grads, arrays
+
+    def run_step():
+        step(*inputs)
+        measure.sync_devices()
+
+    for _ in range(warmup):
+        run_step()
+    tf.config.experimental.reset_memory_stats(device)
+    out["resting_bytes"] = tf.config.experimental.get_memory_info(device)["current"]
+    peak, step_s = measure.peak_memory_bytes(
+        lambda: measure.time_calls(run_step, repeats=steps, warmup=0), device)
+    out.update(peak_bytes=peak, step_s=step_s, memory_device=device)
+    return out
+
+
+# ----------------------------------------------------------------------------- parent side
+
+def _child_env(memory_limit_mb):
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(measure.memory_limit_env(memory_limit_mb), PYTHONPATH=pythonpath)
+
+
+def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb, grads_path,
+            model_options=None, timeout=900):
+    """Runs measure_config in its own process; a crash or kill becomes a result row too."""
+    started = time.perf_counter()
+    try:
+        result = measure.run_isolated(
+            CHILD_TARGET, timeout=timeout, env=_child_env(memory_limit_mb), model=model,
+            depth=depth, batch=batch, strategy=strategy, steps=steps, warmup=warmup, seed=seed,
+            grads_path=grads_path, memory_limit_mb=memory_limit_mb, model_options=model_options)
+    except measure.IsolatedRunError as error:
+        if measure.is_oom_failure(error):
+            status = "OOM"
+            message = f"child died out of memory (exit {error.returncode})"
+        else:
+            status = "failed"
+            tail = [line for line in error.stderr.splitlines() if line.strip()]
+            message = tail[-1] if tail else str(error).splitlines()[0]
+        result = {"model": model, "strategy": strategy, "status": status, "message": message}
+    result["wall_s"] = time.perf_counter() - started
+    result.setdefault("depth", depth)
+    return result
+
+
+def _max_relative_error(path, reference_path):
+    """max over variables of max|g - g_ref| / max|g_ref| (inf if the sets differ)."""
+    import numpy as np
+
+    with np.load(path) as grads, np.load(reference_path) as reference:
+        if set(grads.files) != set(reference.files):
+            return math.inf
+        worst = 0.0
+        for key in reference.files:
+            ref, got = reference[key], grads[key]
+            if ref.shape != got.shape:
+                return math.inf
+            scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+            diff = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+            worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def default_strategies(model):
+    strategies = [BASELINE, "speed", "memory"]
+    if model in MARKING_MODELS:
+        strategies.append("collection")
+    return strategies
+
+
+def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmup=2, seed=0,
+            memory_limit_mb=None, model_options=None, rounds=1, timeout=900, baseline=True):
+    """Measures every strategy (tf.gradients first) in its own process; returns table rows.
+
+    With rounds > 1 the whole list runs that many times, interleaved, and each row
+    keeps its lowest step time (least disturbed by other load) and highest peak.
+    baseline=False leaves tf.gradients out (no ratios or errors then).
+    """
+    strategies = [s for s in (strategies or default_strategies(model)) if s != BASELINE]
+    if baseline:
+        strategies.insert(0, BASELINE)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="memsave-bench-") as scratch:
+        paths = {s: os.path.join(scratch, f"grads_{i}.npz") for i, s in enumerate(strategies)}
+        total = len(strategies) * rounds
+        done = 0
+        for round_index in range(rounds):
+            for strategy in strategies:
+                result = run_one(model, depth, batch, strategy, steps, warmup, seed,
+                                 memory_limit_mb, paths[strategy], model_options, timeout)
+                done += 1
+                _log_progress(done, total, model, depth, result)
+                results[strategy] = _merge_rounds(results.get(strategy), result)
+        rows = _rows(results, strategies, paths)
+    return rows
+
+
+def _merge_rounds(previous, result):
+    if previous is None or previous.get("status") != "ok":
+        return result
+    if result.get("status") != "ok":
+        return previous
+    merged = dict(previous)
+    merged["step_s"] = min(previous["step_s"], result["step_s"])
+    merged["peak_bytes"] = max(previous["peak_bytes"], result["peak_bytes"])
+    return merged
+
+
+def _log_progress(done, total, model, depth, result):
+    where = f"{model}" + (f" depth {depth}" if depth else "")
+    if result.get("status") == "ok":
+        logger.info("[%d/%d] %s %s: peak %.1f MB, step %.1f ms, build %.2f s (%.0f s)", done,
+                    total, where, result["strategy"], result["peak_bytes"] / 2**20,
+                    result["step_s"] * 1e3, result["grad_build_s"], result["wall_s"])
+    else:
+        logger.info("[%d/%d] %s %s: %s %s (%.0f s)", done, total, where, result["strategy"],
+                    result["status"], result.get("message", ""), result["wall_s"])
+
+
+def _rows(results, strategies, paths):
+    base = results.get(BASELINE, {})
+    base_ok = base.get("status") == "ok"
+    rows = []
+    for strategy in strategies:
+        result = results[strategy]
+        ok = result.get("status") == "ok"
+        row = {field: None for field in CSV_FIELDS}
+        row.update({key: result.get(key) for key in CSV_FIELDS if key in result})
+        row["strategy"] = strategy
+        row["description"] = result.get("description")
+        row["report"] = result.get("report")
+        if ok:
+            row["peak_mb"] = result["peak_bytes"] / 2**20
+            row["resting_mb"] = result["resting_bytes"] / 2**20
+            row["step_ms"] = result["step_s"] * 1e3
+            if base_ok:
+                row["peak_ratio"] = result["peak_bytes"] / base["peak_bytes"]
+                row["time_ratio"] = result["step_s"] / base["step_s"]
+                if os.path.exists(paths[strategy]) and os.path.exists(paths[BASELINE]):
+                    row["max_rel_err"] = _max_relative_error(paths[strategy], paths[BASELINE])
+                if result.get("weights_checksum") != base.get("weights_checksum"):
+                    row["message"] = "weights differ from tf.gradients's process: error not comparable"
+                elif result.get("grad_kinds") != base.get("grad_kinds"):
+                    row["message"] = (f"gradient kinds differ from tf.gradients's "
+                                      f"({_kind_counts(result)} vs {_kind_counts(base)})")
+        rows.append(row)
+    return rows
+
+
+def _kind_counts(result):
+    kinds = result.get("grad_kinds") or []
+    return ", ".join(f"{kinds.count(k)} {k}" for k in ("dense", "sparse", "none") if k in kinds)
+
+
+# ----------------------------------------------------------------------------- output
+
+def _fmt(value, spec):
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return format(value, spec)
+
+
+def _cells(row):
+    if row["status"] != "ok":
+        return [row["strategy"], row["status"] or "failed"] + ["-"] * (len(TABLE_COLUMNS) - 2)
+    return [row["strategy"], _fmt(row["peak_mb"], ".1f"), _fmt(row["peak_ratio"], ".2f"),
+            _fmt(row["step_ms"], ".1f"), _fmt(row["time_ratio"], ".2f"),
+            _fmt(row["max_rel_err"], ".1e"), _fmt(row["grad_build_s"], ".2f"),
+            _fmt(row["checkpoints"], "d")]
+
+
+def format_table(rows):
+    """The comparison as aligned text (notes for failed or odd rows below it)."""
+    cells = [list(TABLE_COLUMNS)] + [_cells(row) for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(TABLE_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(line, widths))) for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += _notes(rows)
+    return "\n".join(lines)
+
+
+def format_markdown(rows, title=None):
+    """The comparison as a Markdown table."""
+    lines = [f"{title}\n"] if title else []
+    lines.append("| " + " | ".join(TABLE_COLUMNS) + " |")
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(TABLE_COLUMNS)))
+                 + "|")
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    notes = _notes(rows)
+    if notes:
+        lines.append("")
+        lines += [f"- {note.strip()}" for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _notes(rows):
+    return [f"  {row['strategy']}: {row['message']}" for row in rows if row.get("message")]
+
+
+def write_csv(rows, path):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _title(rows, args_line):
+    first = next((row for row in rows if row.get("description")), rows[0])
+    device = next((row["device"] for row in rows if row.get("device")), "unknown device")
+    return f"{first.get('description') or first['model']}; {device}; `{args_line}`"
+
+
+# ----------------------------------------------------------------------------- sweep
+
+def sweep(model="cnn", depths=None, strategies=None, batch=None, steps=3, warmup=1, seed=0,
+          memory_limit_mb=None, model_options=None, timeout=900):
+    """compare() at every depth; a strategy that ran out of memory is not retried deeper."""
+    depths = list(depths or DEFAULT_SWEEP_DEPTHS[model])
+    strategies = list(strategies or default_strategies(model))
+    if BASELINE in strategies:
+        strategies.remove(BASELINE)
+    strategies.insert(0, BASELINE)
+    out_of_memory_at = {}
+    all_rows = []
+    for depth in depths:
+        to_run = [s for s in strategies if s not in out_of_memory_at]
+        rows = []
+        if to_run:
+            rows = compare(model, depth, batch, to_run, steps, warmup, seed, memory_limit_mb,
+                           model_options, 1, timeout, baseline=BASELINE in to_run)
+        for strategy in strategies:
+            if strategy in out_of_memory_at:
+                row = {field: None for field in CSV_FIELDS}
+                row.update(model=model, depth=depth, strategy=strategy, status="OOM",
+                           message=f"not run: out of memory already at depth "
+                                   f"{out_of_memory_at[strategy]}")
+                rows.append(row)
+        for row in rows:
+            row["depth"] = depth
+            row["model"] = model
+            if row["status"] == "OOM":
+                out_of_memory_at.setdefault(row["strategy"], depth)
+        rows.sort(key=lambda r: strategies.index(r["strategy"]))
+        all_rows += rows
+    return all_rows
+
+
+def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
+    """Draws memory vs depth and step time vs depth; returns False if matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed, so no plot was drawn "
+                       "(pip install matplotlib, or memsave[bench]); the CSV has the numbers")
+        return False
+    strategies = list(dict.fromkeys(row["strategy"] for row in rows))
+    figure, (memory_axes, time_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
+    oom_label_done = False
+    for strategy in strategies:
+        mine = [r for r in rows if r["strategy"] == strategy]
+        ok = [r for r in mine if r["status"] == "ok"]
+        line, = memory_axes.plot([r["depth"] for r in ok], [r["peak_mb"] for r in ok], "o-",
+                                 label=strategy)
+        time_axes.plot([r["depth"] for r in ok], [r["step_ms"] for r in ok], "o-",
+                       color=line.get_color(), label=strategy)
+        ooms = [r["depth"] for r in mine if r["status"] == "OOM"]
+        if ooms:
+            top = memory_limit_mb or max((r["peak_mb"] for r in rows if r["peak_mb"]), default=1)
+            memory_axes.plot(ooms, [top] * len(ooms), "x", color=line.get_color(), ms=10,
+                             mew=2, label=None if oom_label_done else "out of memory")
+            oom_label_done = True
+    if memory_limit_mb:
+        memory_axes.axhline(memory_limit_mb, color="grey", ls="--", lw=1)
+        memory_axes.text(memory_axes.get_xlim()[0], memory_limit_mb, f" limit {memory_limit_mb} MB",
+                         va="bottom", color="grey", fontsize=8)
+    memory_axes.set(xlabel="depth", ylabel="peak memory (MB)", title="peak memory vs depth")
+    time_axes.set(xlabel="depth", ylabel="step time (ms)", title="step time vs depth")
+    for axes in (memory_axes, time_axes):
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def format_sweep(rows):
+    """The sweep as text: one line per depth, peak MB and step ms per strategy."""
+    strategies = list(dict.fromkeys(row["strategy"] for row in rows))
+    depths = list(dict.fromkeys(row["depth"] for row in rows))
+    header = ["depth"] + [f"{s} MB / ms" for s in strategies]
+    lines = [header]
+    for depth in depths:
+        line = [str(depth)]
+        for strategy in strategies:
+            row = next((r for r in rows if r["depth"] == depth and r["strategy"] == strategy),
+                       None)
+            if row is None:
+                line.append("-")
+            elif row["status"] == "ok":
+                line.append(f"{row['peak_mb']:.1f} / {row['step_ms']:.0f}")
+            else:
+                line.append(row["status"])
+        lines.append(line)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+def _parse_list(text, cast=str):
+    return [cast(item.strip()) for item in text.split(",") if item.strip()] if text else None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Peak memory, step time, gradient error and build time of tf.gradients "
+                    "and memsave's strategies, each configuration in its own process.")
+    parser.add_argument("--model", default="cnn", choices=("cnn", "mlp", "transformer", "keras"))
+    parser.add_argument("--depth", type=int, default=None,
+                        help="residual blocks (cnn), layers (mlp) or encoder blocks "
+                             "(transformer); default per model (27, 36, 8)")
+    parser.add_argument("--batch", type=int, default=None, help="batch size; default per model")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole comparison, interleaved; keep each row's best time")
+    parser.add_argument("--strategies", default=None,
+                        help="comma-separated, from tf.gradients, speed, memory, collection, "
+                             "every:K (explicit list: every K-th block output); default: all "
+                             "that apply to the model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--app", default=None,
+                        help="keras.applications model for --model keras (default ResNet50)")
+    parser.add_argument("--image-size", type=int, default=None,
+                        help="input size for --model keras (default 64) or cnn (default 32)")
+    parser.add_argument("--memory-limit-mb", type=int, default=None,
+                        help="cap the measured device's allocator (GPU: a virtual device; CPU: "
+                             "the BFC allocator); running out is reported as OOM")
+    parser.add_argument("--csv", default=None, help="write the rows to this CSV file")
+    parser.add_argument("--markdown", default=None, help="write the table as Markdown here")
+    parser.add_argument("--sweep", action="store_true", help="peak memory and step time vs depth")
+    parser.add_argument("--depths", default=None, help="comma-separated depths for --sweep")
+    parser.add_argument("--png", default=None,
+                        help="plot for --sweep (default benchmarks/results/sweep_<model>.png)")
+    parser.add_argument("--build-time", action="store_true",
+                        help="time memsave.gradients's rewrite vs tf.gradients on generated "
+                             "graphs of ~1k, ~5k, ~20k ops (in this process)")
+    parser.add_argument("--sizes", default=None, help="op counts for --build-time")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    command = "python benchmarks/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    if args.build_time:
+        from benchmarks import bench_rewrite_time
+        sizes = _parse_list(args.sizes, int) or list(bench_rewrite_time.SIZES)
+        strategies = [s for s in (_parse_list(args.strategies) or bench_rewrite_time.STRATEGIES)
+                      if s != BASELINE]
+        rows = bench_rewrite_time.build_time_rows(sizes, strategies)
+        text = bench_rewrite_time.format_rows(rows, strategies)
+        print(text)
+        if args.csv:
+            bench_rewrite_time.write_csv(rows, args.csv)
+        if args.markdown:
+            Path(args.markdown).write_text(f"`{command}`\n\n```\n{text}\n```\n", encoding="utf-8")
+        return 0
+
+    model_options = {}
+    if args.app:
+        model_options["app"] = args.app
+    if args.image_size:
+        model_options["image_size"] = args.image_size
+    strategies = _parse_list(args.strategies)
+
+    if args.sweep:
+        depths = _parse_list(args.depths, int)
+        rows = sweep(args.model, depths, strategies, args.batch, args.steps, args.warmup,
+                     args.seed, args.memory_limit_mb, model_options, args.timeout)
+        print(format_sweep(rows))
+        csv_path = args.csv or f"benchmarks/results/sweep_{args.model}.csv"
+        write_csv(rows, csv_path)
+        png_path = args.png or f"benchmarks/results/sweep_{args.model}.png"
+        title = _title(rows, command)
+        drew = plot_sweep(rows, png_path, args.memory_limit_mb, title)
+        print(f"\nwrote {csv_path}" + (f" and {png_path}" if drew else ""))
+        if args.markdown:
+            Path(args.markdown).write_text(f"{title}\n\n```\n{format_sweep(rows)}\n```\n",
+                                           encoding="utf-8")
+        return 0
+
+    rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
+                   args.seed, args.memory_limit_mb, model_options, args.rounds, args.timeout)
+    title = _title(rows, command)
+    print(title)
+    print(format_table(rows))
+    for row in rows:
+        if row.get("report"):
+            logger.info("%s: %s", row["strategy"], row["report"])
+    if args.csv:
+        write_csv(rows, args.csv)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(format_markdown(rows, title), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

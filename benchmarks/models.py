@@ -1,0 +1,319 @@
+"""Benchmark models: a training step in `tf.function` with a swappable gradient function.
+
+Every builder returns a `BenchModel`: its trainable variables, a batch of synthetic data
+(seeded, so every process that builds the same model gets the same weights and data),
+and `make_step(grad_fn)`, which wraps "forward pass, loss, `grad_fn(loss, variables)`" in
+one `tf.function`. `grad_fn` has `tf.gradients`'s signature, so the same model runs with
+`tf.gradients` and with each memsave strategy.
+
+Models (the `--model` flag of compare.py):
+
+- ``cnn`` (default): a ResNet-style CNN for CIFAR-shaped data (32x32x3, 10 classes):
+  a 3x3 stem, then `depth` basic residual blocks (conv-BN-ReLU-conv-BN + shortcut, ReLU)
+  in three stages of widths w, 2w, 4w at 32, 16 and 8 pixels. depth 27 is ResNet-56.
+- ``mlp``: `depth` dense tanh layers of equal width.
+- ``transformer``: token embedding, then `depth` pre-LayerNorm encoder blocks
+  (multi-head self-attention and a ReLU MLP, each with a residual), a vocabulary head.
+- ``keras``: a `keras.applications` model (ResNet50 by default, MobileNetV2 and others by
+  name) with `weights=None` (nothing is downloaded); depth does not apply.
+
+The hand-written models mark every ceil(sqrt(blocks))-th block output with
+`memsave.mark_checkpoint`, so `checkpoints='collection'` has something to use; the Keras
+model marks nothing. Each traced forward pass also lists its block outputs in
+`model.block_outputs`, for explicit checkpoint lists (`every:K` in compare.py).
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+import memsave
+
+MODELS = ("cnn", "mlp", "transformer", "keras")
+
+# Per-model defaults, sized so one step takes well under a second on 2 CPU cores.
+DEFAULTS = {
+    "cnn": {"depth": 27, "batch": 32},
+    "mlp": {"depth": 36, "batch": 2048},
+    "transformer": {"depth": 8, "batch": 16},
+    "keras": {"depth": 0, "batch": 16},
+}
+
+
+class BenchModel:
+    """A model, its data and a way to build its training step with a given gradient function.
+
+    Attributes:
+      name: model name, for tables.
+      description: one line saying what was built (sizes).
+      variables: the trainable `tf.Variable`s, in a fixed order.
+      inputs: tuple of numpy arrays, the synthetic batch (features, labels).
+      marks_checkpoints: whether the forward pass marks tensors for 'collection'.
+      block_outputs: the block outputs of the latest traced forward pass.
+    """
+
+    def __init__(self, name, description, variables, inputs, forward, marks_checkpoints):
+        self.name = name
+        self.description = description
+        self.variables = list(variables)
+        self.inputs = inputs
+        self._forward = forward
+        self.marks_checkpoints = marks_checkpoints
+        self.block_outputs = []
+
+    def loss(self, *inputs):
+        """The forward pass and loss (call while tracing); refreshes `block_outputs`."""
+        self.block_outputs = []
+        return self._forward(self, *inputs)
+
+    def make_step(self, grad_fn):
+        """A `tf.function` step(features, labels) -> (loss, gradients).
+
+        `grad_fn(ys, xs)` is called once per trace with the loss and the variables.
+        """
+        variables = self.variables
+
+        def step(*inputs):
+            loss = self.loss(*inputs)
+            grads = grad_fn(loss, variables)
+            return loss, list(grads)
+
+        return tf.function(step, autograph=False)
+
+    def num_parameters(self):
+        return int(sum(np.prod(v.shape) for v in self.variables))
+
+
+def _mark_every(model, tensor, index, every):
+    model.block_outputs.append(tensor)
+    if every and (index + 1) % every == 0:
+        memsave.mark_checkpoint(tensor)
+    return tensor
+
+
+def _sqrt_spacing(blocks):
+    return max(1, int(math.ceil(math.sqrt(blocks))))
+
+
+class _Init:
+    """Seeded numpy initialisers, so weights are identical in every process."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.count = 0
+
+    def variable(self, shape, fan_in=None, scale=None, value=None, name="w"):
+        self.count += 1
+        if value is not None:
+            array = np.full(shape, value, dtype=np.float32)
+        else:
+            std = scale if scale is not None else math.sqrt(2.0 / fan_in)
+            array = (self.rng.standard_normal(shape) * std).astype(np.float32)
+        return tf.Variable(array, name=f"{name}_{self.count}")
+
+
+# ----------------------------------------------------------------------------- cnn
+
+def build_cnn(depth=27, batch=32, seed=0, width=16, image_size=32, classes=10):
+    """ResNet-style CNN on synthetic CIFAR-shaped data; `depth` residual blocks."""
+    if depth < 1:
+        raise ValueError(f"cnn needs depth >= 1 residual blocks, got {depth}")
+    init = _Init(seed)
+    per_stage = [depth // 3 + (1 if i < depth % 3 else 0) for i in range(3)]
+    every = _sqrt_spacing(depth)
+
+    def conv_params(k, cin, cout):
+        return {"w": init.variable([k, k, cin, cout], fan_in=k * k * cin, name="conv"),
+                "scale": init.variable([cout], value=1.0, name="bn_scale"),
+                "offset": init.variable([cout], value=0.0, name="bn_offset")}
+
+    stem = conv_params(3, 3, width)
+    blocks = []
+    cin = width
+    for stage, count in enumerate(per_stage):
+        cout = width * 2 ** stage
+        for i in range(count):
+            stride = 2 if (stage > 0 and i == 0) else 1
+            block = {"stride": stride, "a": conv_params(3, cin, cout), "b": conv_params(3, cout, cout)}
+            if stride != 1 or cin != cout:
+                block["proj"] = conv_params(1, cin, cout)
+            blocks.append(block)
+            cin = cout
+    head_w = init.variable([cin, classes], fan_in=cin, name="fc")
+    head_b = init.variable([classes], value=0.0, name="fc_b")
+
+    variables = []
+    for params in [stem] + [p for b in blocks for p in (b["a"], b["b"], b.get("proj")) if p]:
+        variables += [params["w"], params["scale"], params["offset"]]
+    variables += [head_w, head_b]
+
+    def conv_bn(x, params, stride=1, relu=True):
+        y = tf.nn.conv2d(x, params["w"], strides=stride, padding="SAME")
+        y, _, _ = tf.compat.v1.nn.fused_batch_norm(y, params["scale"], params["offset"],
+                                                  epsilon=1e-5, is_training=True)
+        return tf.nn.relu(y) if relu else y
+
+    def forward(model, images, labels):
+        x = conv_bn(images, stem)
+        for index, block in enumerate(blocks):
+            shortcut = conv_bn(x, block["proj"], block["stride"], relu=False) if "proj" in block else x
+            y = conv_bn(x, block["a"], block["stride"])
+            y = conv_bn(y, block["b"], relu=False)
+            x = _mark_every(model, tf.nn.relu(y + shortcut), index, every)
+        pooled = tf.reduce_mean(x, axis=[1, 2])
+        logits = tf.matmul(pooled, head_w) + head_b
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                                             logits=logits))
+
+    rng = np.random.default_rng(seed + 1)
+    images = rng.standard_normal([batch, image_size, image_size, 3]).astype(np.float32)
+    labels = rng.integers(0, classes, size=[batch]).astype(np.int32)
+    description = (f"ResNet-style CNN: {depth} residual blocks (ResNet-{2 * depth + 2}), "
+                   f"stages {per_stage}, width {width}, input {batch}x{image_size}x{image_size}x3")
+    return BenchModel("cnn", description, variables, (images, labels), forward, True)
+
+
+# ----------------------------------------------------------------------------- mlp
+
+def build_mlp(depth=36, batch=2048, seed=0, width=256, classes=10):
+    """`depth` dense tanh layers of `width` units on synthetic features."""
+    if depth < 1:
+        raise ValueError(f"mlp needs depth >= 1 layers, got {depth}")
+    init = _Init(seed)
+    every = _sqrt_spacing(depth)
+    layers = [(init.variable([width, width], scale=1.0 / math.sqrt(width), name="dense"),
+               init.variable([width], value=0.0, name="bias")) for _ in range(depth)]
+    head_w = init.variable([width, classes], fan_in=width, name="fc")
+    variables = [v for layer in layers for v in layer] + [head_w]
+
+    def forward(model, features, labels):
+        x = features
+        for index, (w, b) in enumerate(layers):
+            x = _mark_every(model, tf.tanh(tf.matmul(x, w) + b), index, every)
+        logits = tf.matmul(x, head_w)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                                             logits=logits))
+
+    rng = np.random.default_rng(seed + 1)
+    features = rng.standard_normal([batch, width]).astype(np.float32)
+    labels = rng.integers(0, classes, size=[batch]).astype(np.int32)
+    description = f"MLP: {depth} tanh layers of width {width}, batch {batch}"
+    return BenchModel("mlp", description, variables, (features, labels), forward, True)
+
+
+# ----------------------------------------------------------------------------- transformer
+
+def build_transformer(depth=8, batch=16, seed=0, seq_len=128, d_model=128, heads=4,
+                      d_ff=512, vocab=1000):
+    """Token embedding plus `depth` pre-LN encoder blocks and a vocabulary head."""
+    if depth < 1:
+        raise ValueError(f"transformer needs depth >= 1 blocks, got {depth}")
+    if d_model % heads:
+        raise ValueError(f"d_model {d_model} is not divisible by heads {heads}")
+    init = _Init(seed)
+    every = _sqrt_spacing(depth)
+    head_dim = d_model // heads
+    embedding = init.variable([vocab, d_model], scale=0.02, name="embedding")
+    blocks = []
+    for _ in range(depth):
+        blocks.append({
+            "ln1_g": init.variable([d_model], value=1.0, name="ln_g"),
+            "ln1_b": init.variable([d_model], value=0.0, name="ln_b"),
+            "qkv": init.variable([d_model, 3 * d_model], fan_in=d_model, name="qkv"),
+            "out": init.variable([d_model, d_model], fan_in=d_model, name="attn_out"),
+            "ln2_g": init.variable([d_model], value=1.0, name="ln_g"),
+            "ln2_b": init.variable([d_model], value=0.0, name="ln_b"),
+            "ff1": init.variable([d_model, d_ff], fan_in=d_model, name="ff1"),
+            "ff1_b": init.variable([d_ff], value=0.0, name="ff1_b"),
+            "ff2": init.variable([d_ff, d_model], fan_in=d_ff, name="ff2"),
+            "ff2_b": init.variable([d_model], value=0.0, name="ff2_b"),
+        })
+    final_g = init.variable([d_model], value=1.0, name="ln_g")
+    final_b = init.variable([d_model], value=0.0, name="ln_b")
+    head_w = init.variable([d_model, vocab], fan_in=d_model, name="head")
+    variables = [embedding] + [block[k] for block in blocks for k in sorted(block)]
+    variables += [final_g, final_b, head_w]
+
+    def layer_norm(x, gain, bias):
+        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return (x - mean) * tf.math.rsqrt(var + 1e-5) * gain + bias
+
+    def dense(x, w, b=None):
+        y = tf.einsum("btd,de->bte", x, w)
+        return y + b if b is not None else y
+
+    def attention(x, block):
+        qkv = dense(x, block["qkv"])
+        qkv = tf.reshape(qkv, [batch, seq_len, 3, heads, head_dim])
+        q, k, v = tf.unstack(tf.transpose(qkv, [2, 0, 3, 1, 4]))  # each [b, h, t, d]
+        scores = tf.matmul(q, k, transpose_b=True) / math.sqrt(head_dim)
+        context = tf.matmul(tf.nn.softmax(scores), v)
+        context = tf.reshape(tf.transpose(context, [0, 2, 1, 3]), [batch, seq_len, d_model])
+        return dense(context, block["out"])
+
+    def forward(model, tokens, targets):
+        x = tf.gather(embedding, tokens)
+        for index, block in enumerate(blocks):
+            x = x + attention(layer_norm(x, block["ln1_g"], block["ln1_b"]), block)
+            h = tf.nn.relu(dense(layer_norm(x, block["ln2_g"], block["ln2_b"]),
+                                 block["ff1"], block["ff1_b"]))
+            x = _mark_every(model, x + dense(h, block["ff2"], block["ff2_b"]), index, every)
+        logits = dense(layer_norm(x, final_g, final_b), head_w)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets,
+                                                                             logits=logits))
+
+    rng = np.random.default_rng(seed + 1)
+    tokens = rng.integers(0, vocab, size=[batch, seq_len]).astype(np.int32)
+    targets = np.roll(tokens, -1, axis=1)
+    description = (f"Transformer encoder: {depth} blocks, d_model {d_model}, {heads} heads, "
+                   f"d_ff {d_ff}, sequence {seq_len}, batch {batch}, vocabulary {vocab}")
+    return BenchModel("transformer", description, variables, (tokens, targets), forward, True)
+
+
+# ----------------------------------------------------------------------------- keras
+
+def build_keras(depth=0, batch=16, seed=0, app="ResNet50", image_size=64, classes=10):
+    """A `keras.applications` model with random weights (`weights=None`, no download).
+
+    `depth` is ignored (the application fixes it). Only the model's own forward pass
+    runs inside the step, with `training=True` (batch norm uses batch statistics).
+    """
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    try:
+        constructor = getattr(keras.applications, app)
+    except AttributeError:
+        raise ValueError(f"keras.applications has no model {app!r}; try ResNet50, "
+                         f"MobileNetV2, DenseNet121") from None
+    net = constructor(weights=None, input_shape=(image_size, image_size, 3), classes=classes)
+    variables = [v.value if hasattr(v, "value") else v for v in net.trainable_variables]
+
+    def forward(model, images, labels):
+        probabilities = net(images, training=True)
+        picked = tf.reduce_sum(probabilities * tf.one_hot(labels, classes), axis=-1)
+        return -tf.reduce_mean(tf.math.log(picked + 1e-7))
+
+    rng = np.random.default_rng(seed + 1)
+    images = rng.standard_normal([batch, image_size, image_size, 3]).astype(np.float32)
+    labels = rng.integers(0, classes, size=[batch]).astype(np.int32)
+    description = (f"keras.applications.{app}(weights=None): {len(net.layers)} layers, "
+                   f"input {batch}x{image_size}x{image_size}x3")
+    model = BenchModel("keras", description, variables, (images, labels), forward, False)
+    model.keras_model = net
+    return model
+
+
+BUILDERS = {"cnn": build_cnn, "mlp": build_mlp, "transformer": build_transformer,
+            "keras": build_keras}
+
+
+def build_model(name, depth=None, batch=None, seed=0, **options):
+    """Builds model `name` (one of MODELS); None depth/batch take the model's default."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    defaults = DEFAULTS[name]
+    return BUILDERS[name](depth=defaults["depth"] if depth is None else depth,
+                          batch=defaults["batch"] if batch is None else batch,
+                          seed=seed, **options)
