@@ -10,15 +10,31 @@ from memsave._version_check import check_tensorflow_version as _check_tensorflow
 _check_tensorflow_version()
 
 from memsave.errors import MemsaveError  # noqa: E402
+from memsave.errors import MemsaveWarning  # noqa: E402
 from memsave.rewrite import (  # noqa: E402
-    gradients, gradients_collection, gradients_memory, gradients_speed)
+    gradients, gradients_collection, gradients_memory, gradients_speed, plan)
 from memsave.strategies import CHECKPOINT_COLLECTION, STRATEGIES, mark_checkpoint  # noqa: E402
 from memsave.report import RewriteReport, last_report  # noqa: E402
+from memsave.integrations.optimizers import MemsaveOptimizer, gradient_function  # noqa: E402
+from memsave.integrations.patch import patch  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
     "mark_checkpoint", "CHECKPOINT_COLLECTION", "STRATEGIES", "MemsaveError",
-    "RewriteReport", "last_report",
+    "RewriteReport", "last_report", "plan", "MemsaveWarning",
+    "patch", "gradient_function", "MemsaveOptimizer",
 ]
+
+
+def __getattr__(name):
+    # memsave.keras is imported on first use, so `import memsave` never imports Keras.
+    if name == "keras":
+        import importlib
+        import sys
+        module = importlib.import_module("memsave.integrations.keras")
+        sys.modules.setdefault("memsave.keras", module)
+        globals()["keras"] = module
+        return module
+    raise AttributeError(f"module 'memsave' has no attribute {name!r}")

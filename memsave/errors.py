@@ -19,3 +19,7 @@ class MemsaveError(ValueError):
         if hint:
             message = f"{message} {hint}"
         super().__init__(message)
+
+
+class MemsaveWarning(UserWarning):
+    """Warned when memsave changes what the user asked for (e.g. drops a checkpoint)."""

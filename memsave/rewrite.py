@@ -1,18 +1,312 @@
-"""STUB being replaced by the segment rewrite (in progress)."""
+"""The checkpointed gradient rewrite (SPEC, "The rewrite, in steps").
+
+1. forward region (memsave.region);  2. checkpoints (memsave.strategies);
+3. boundaries: every segment reads its checkpoints through its own
+   `stop_gradient`, so the gradient of a segment stops at them;
+4. the last segment (checkpoints -> ys) is copied and differentiated;
+5. earlier segments, in reverse topological order, are copied and
+   differentiated with the accumulated gradient of their checkpoints;
+6. copies wait, through control inputs, for what must come first (the forward
+   ys, or the gradient of their checkpoints), or they would run during the
+   forward pass and nothing would be saved;
+7. gradients of the xs are summed, kept sparse where possible.
+
+Tensors that depend on the xs but cannot be recomputed (variable reads, random
+draws, control flow: see memsave.region) are read by the copies through a
+segment-local `stop_gradient` too; their gradients are collected and pushed
+through the original ops to the xs in one final `tf.gradients` call. Keeping
+every segment's inputs local also keeps each per-segment `tf.gradients` call
+proportional to its segment, not to the whole graph.
+"""
+
+import contextlib
+import logging
+import warnings
+
 import tensorflow as tf
+
+from memsave import aggregate, inputs
+from memsave import report as report_lib
+from memsave.errors import MemsaveError, MemsaveWarning
+from memsave.graph import _tf_private
+from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops
+from memsave.graph.transform import copy_with_input_replacements
+from memsave.region import NOT_RECOMPUTABLE, ForwardRegion, estimated_bytes
+
+logger = logging.getLogger(__name__)
+
+# The real tf.gradients, captured at import: memsave.patch() may replace the public
+# names, and the per-segment calls must still reach TensorFlow's own implementation.
+_tf_gradients = tf.compat.v1.gradients
+
+_PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
 
 
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
-    return tf.gradients(ys, xs, grad_ys=grad_ys, **kwargs)
+    """Gradients of `ys` with respect to `xs`, keeping only checkpoint activations.
+
+    A drop-in replacement for `tf.gradients`, for tf.compat.v1 graphs and
+    tf.function bodies.
+
+    Args:
+      ys: a tensor or list of tensors to differentiate.
+      xs: a tensor, variable, or list of them.
+      grad_ys: optional initial gradients, one per y.
+      checkpoints: a list of tensors (or tensor names) to keep, a strategy
+        name ('collection', 'memory', 'speed') or a strategy callable.
+      **kwargs: as for tf.gradients (gate_gradients, aggregation_method,
+        colocate_gradients_with_ops, stop_gradients, unconnected_gradients, name).
+    Returns:
+      A list with one gradient per x (None where x does not affect ys, unless
+      unconnected_gradients='zero').
+    Raises:
+      MemsaveError: for bad input, before anything is added to the graph.
+    """
+    ys, graph = inputs.normalise_ys(ys)
+    xs = inputs.normalise_xs(xs, graph)
+    grad_ys = inputs.normalise_grad_ys(grad_ys, ys)
+    strategy, strategy_name = inputs.resolve_strategy(checkpoints, graph)
+    options = _Options(kwargs)
+    with graph.as_default():
+        region = ForwardRegion.build(ys, xs)
+        if not any(region.is_connected(x) for x in xs):
+            raise MemsaveError("none of the ys depends on any of the xs; check that the loss is "
+                               "computed from the variables/tensors passed as xs")
+        kept, dropped = _select_checkpoints(strategy(region), region)
+        report = report_lib.RewriteReport(
+            strategy=strategy_name, region_ops=len(region),
+            checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in kept],
+            dropped=dropped,
+            not_recomputable=[(op.name, why) for op, why in region.kept_ops])
+        if not kept:
+            report.fallback = _no_checkpoints_message(strategy_name, region)
+            warnings.warn(report.fallback, MemsaveWarning, stacklevel=2)
+            result = _tf_gradients(ys, xs, grad_ys=grad_ys, **kwargs)
+        else:
+            with tf.name_scope(options.name):
+                result = _Rewrite(ys, xs, grad_ys, region, [c.tensor for c in kept],
+                                  options, report).run()
+    report_lib.record(report)
+    return result
 
 
 def gradients_speed(ys, xs, grad_ys=None, **kwargs):
+    """`gradients` with checkpoints='speed' (keep outputs of matmuls/convolutions)."""
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
 def gradients_memory(ys, xs, grad_ys=None, **kwargs):
+    """`gradients` with checkpoints='memory' (automatic, about sqrt(N) narrow cuts)."""
     return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
 
 
 def gradients_collection(ys, xs, grad_ys=None, **kwargs):
+    """`gradients` with checkpoints='collection' (tensors marked with mark_checkpoint)."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+
+
+def plan(ys, xs, checkpoints="collection"):
+    """What `gradients` would keep, without adding anything to the graph.
+
+    Returns:
+      A RewriteReport with the region and the checkpoints (no segments).
+    """
+    ys, graph = inputs.normalise_ys(ys)
+    xs = inputs.normalise_xs(xs, graph)
+    strategy, strategy_name = inputs.resolve_strategy(checkpoints, graph)
+    region = ForwardRegion.build(ys, xs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemsaveWarning)
+        kept, dropped = _select_checkpoints(strategy(region), region)
+    return report_lib.RewriteReport(
+        strategy=strategy_name, region_ops=len(region),
+        checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in kept],
+        dropped=dropped, not_recomputable=[(op.name, why) for op, why in region.kept_ops])
+
+
+class _Options:
+    """The tf.gradients keyword arguments, split by how the rewrite uses them."""
+
+    def __init__(self, kwargs):
+        unknown = set(kwargs) - set(_PASSED_THROUGH) - {"stop_gradients", "unconnected_gradients",
+                                                        "name"}
+        if unknown:
+            raise MemsaveError(f"unexpected keyword argument(s) {sorted(unknown)}; memsave.gradients "
+                               f"accepts tf.gradients' own: {', '.join(_PASSED_THROUGH)}, "
+                               "stop_gradients, unconnected_gradients, name")
+        self.passed = {k: kwargs[k] for k in _PASSED_THROUGH if k in kwargs}
+        self.passed.setdefault("colocate_gradients_with_ops", True)
+        self.stop = TensorSet(inputs._as_list(kwargs.get("stop_gradients") or [], "stop_gradients"))
+        unconnected = kwargs.get("unconnected_gradients", tf.UnconnectedGradients.NONE)
+        self.unconnected = tf.UnconnectedGradients(unconnected)
+        self.name = kwargs.get("name") or "memsave"
+
+
+def _select_checkpoints(choices, region):
+    """Step 2: keeps region tensors, dropping xs, ys and tensors that cannot be segment ends."""
+    kept, dropped, seen = [], [], TensorSet()
+    for choice in choices:
+        t = choice.tensor
+        if t in seen:
+            continue
+        seen.add(t)
+        why = None
+        if region.is_x(t):
+            why = "it is one of the xs"
+        elif region.is_y(t):
+            why = "it is one of the ys"
+        elif t.op not in region:
+            why = region.why_outside(t.op)
+            if why == NOT_RECOMPUTABLE:
+                dropped.append((t.name, why))
+                continue
+        if why is None:
+            kept.append(choice)
+            continue
+        dropped.append((t.name, why))
+        warnings.warn(f"memsave: checkpoint {t.name} dropped: {why}", MemsaveWarning,
+                          stacklevel=4)
+    kept.sort(key=lambda c: region.position[c.tensor.op])
+    return kept, dropped
+
+
+def _no_checkpoints_message(strategy_name, region):
+    if strategy_name == "collection":
+        hint = ("mark tensors with memsave.mark_checkpoint(t), pass checkpoints='memory', "
+                "or pass a list of tensors")
+    else:
+        hint = "pass a list of tensors on the path from xs to ys, or checkpoints='memory'"
+    return (f"memsave: strategy {strategy_name!r} chose no usable checkpoints in a region of "
+            f"{len(region)} ops, so nothing can be saved and plain tf.gradients was used; {hint}")
+
+
+class _Rewrite:
+    """One rewrite: the segments, and the gradient contributions between them."""
+
+    def __init__(self, ys, xs, grad_ys, region, checkpoints, options, report):
+        self.ys, self.xs, self.grad_ys = ys, xs, grad_ys
+        self.region = region
+        self.checkpoints = TensorSet(checkpoints)
+        self.options = options
+        self.report = report
+        self.pending = TensorMap()  # tensor -> list of gradient contributions
+
+    def run(self):
+        self._last_segment()
+        for group in reversed(self._checkpoint_groups()):
+            self._earlier_segment(group)
+        return self._gradients_of_xs()
+
+    # -- steps 4 and 5 -----------------------------------------------------------
+    def _last_segment(self):
+        grad_ys = self.grad_ys or [None] * len(self.ys)
+        inside = [(y, g) for y, g in zip(self.ys, grad_ys) if y.op in self.region]
+        for y, g in zip(self.ys, grad_ys):
+            if y.op not in self.region and self.region.depends_on_xs(y):
+                self._add(y, g if g is not None else tf.ones_like(y))
+        if inside:
+            seg_ys, seg_grads = zip(*inside)
+            seg_grads = None if all(g is None for g in seg_grads) else [
+                g if g is not None else tf.ones_like(y) for y, g in inside]
+            self._segment(list(seg_ys), seg_grads, [y.op for y in self.ys], "last_segment")
+
+    def _earlier_segment(self, group):
+        seg_ys, seg_grads = [], []
+        for c in group:
+            d_c = aggregate.sum_dense(self.pending_of(c))
+            if d_c is not None and c not in self.options.stop:
+                seg_ys.append(c)
+                seg_grads.append(d_c)
+        if seg_ys:
+            self._segment(seg_ys, seg_grads, [g.op for g in seg_grads],
+                          f"segment_{self.region.position[group[0].op]}")
+
+    def _segment(self, seg_ys, seg_grad_ys, trigger_ops, label):
+        """Copies the ops between `seg_ys` and the checkpoints and differentiates them."""
+        ops = get_backward_walk_ops([y.op for y in seg_ys], inclusive=True,
+                                    within_ops=self.region.op_set, stop_at_ts=self.checkpoints)
+        local_inputs = self._inputs_to_localise(ops)
+        with tf.name_scope(label):
+            replacements = TensorMap((t, _local_stop_gradient(t)) for t in local_inputs)
+            copy = copy_with_input_replacements(ops, replacements, name_scope="recompute")
+            self._order_after(copy, trigger_ops)
+            copied_ys = [copy.transformed(y) for y in seg_ys]
+            stop = [copy.transformed(t) for t in self.options.stop if copy.transformed(t) is not None]
+            locals_ = [replacements[t] for t in local_inputs]
+            grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
+                                  stop_gradients=stop or None, **self.options.passed)
+        for t, g in zip(local_inputs, grads):
+            if g is not None:
+                self._add(t, g)
+        self.report.segments.append(report_lib.SegmentInfo(
+            ends_at=[y.name for y in seg_ys], copied_ops=len(copy),
+            recomputed_bytes=sum(estimated_bytes(t) for op in copy.ops for t in op.outputs)))
+        logger.debug("memsave: %s recomputes %d ops ending at %s", label, len(copy),
+                     [y.name for y in seg_ys])
+
+    def _inputs_to_localise(self, ops):
+        """Tensors read by `ops` from outside the segment that carry gradient to the xs:
+        checkpoints, xs, and outputs of path ops that are not recomputable."""
+        members = set(ops)
+        found = TensorSet()
+        for op in ops:
+            for t in op.inputs:
+                if t.op in members or t in found:
+                    continue
+                if t.dtype == tf.resource:
+                    continue  # handles carry no gradient of their own through copies
+                if t in self.checkpoints or self.region.depends_on_xs(t):
+                    found.add(t)
+        return list(found)
+
+    def _order_after(self, copy, trigger_ops):
+        """Step 6: copies that read nothing copied wait for `trigger_ops`."""
+        copied = set(copy.ops)
+        for op in copy.ops:
+            if not any(t.op in copied for t in op.inputs):
+                _tf_private.add_control_inputs(op, trigger_ops)
+
+    # -- bookkeeping ---------------------------------------------------------------
+    def _add(self, t, gradient):
+        contributions = self.pending.get(t)
+        if contributions is None:
+            self.pending[t] = contributions = []
+        contributions.append(gradient)
+
+    def pending_of(self, t):
+        return self.pending.get(t, [])
+
+    def _checkpoint_groups(self):
+        """Checkpoints grouped by producing op, in topological order of the ops."""
+        groups = {}
+        for c in self.checkpoints:
+            groups.setdefault(c.op, []).append(c)
+        return [groups[op] for op in sorted(groups, key=self.region.position.__getitem__)]
+
+    # -- step 7 ----------------------------------------------------------------------
+    def _gradients_of_xs(self):
+        per_x = [list(self.pending_of(x)) for x in self.xs]
+        kept = [t for t in self.pending.keys()
+                if not self.region.is_x(t) and t not in self.checkpoints and t not in self.options.stop]
+        if kept:
+            through_kept = _tf_gradients(
+                kept, self.xs, grad_ys=[aggregate.sum_dense(self.pending_of(t)) for t in kept],
+                stop_gradients=list(self.options.stop) or None, **self.options.passed)
+            for contributions, g in zip(per_x, through_kept):
+                if g is not None:
+                    contributions.append(g)
+        result = [aggregate.sum_keeping_sparse(c) for c in per_x]
+        if self.options.unconnected == tf.UnconnectedGradients.ZERO:
+            result = [g if g is not None else _zeros_like(x) for g, x in zip(result, self.xs)]
+        return result
+
+
+def _local_stop_gradient(t):
+    """A segment's own view of an outside tensor, on the tensor's device."""
+    placement = tf.device(t.op.device) if t.op.device else contextlib.nullcontext()
+    with placement:
+        return tf.stop_gradient(t, name="input")
+
+
+def _zeros_like(x):
+    return _tf_private.zero_gradient_like(x)

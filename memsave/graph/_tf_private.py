@@ -7,6 +7,7 @@ that changes them breaks one file, and the rest of memsave reads as public API.
 """
 
 from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import default_gradient
 
 
 def update_input(op, index, tensor):
@@ -74,3 +75,8 @@ def graph_tensor_of_variable(variable, graph):
 
 def is_eager_tensor(value):
     return isinstance(value, tf_ops.EagerTensor)
+
+
+def zero_gradient_like(x):
+    """The zero gradient tf.gradients gives an unconnected x (resource handles included)."""
+    return default_gradient.zeros_like(x)

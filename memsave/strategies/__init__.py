@@ -1,8 +1,23 @@
-"""STUB"""
-CHECKPOINT_COLLECTION = "checkpoints"
-STRATEGIES = {}
+"""Checkpoint strategies: which forward tensors to keep.
 
+One registry, `STRATEGIES`, maps the names users pass as `checkpoints=` to
+strategies; `memsave.strategies.base` says what a strategy is and has the
+factories (`keep_if`, `explicit`) and the combinator (`union`) to build more.
+"""
 
-def mark_checkpoint(t):
-    t.graph.add_to_collection(CHECKPOINT_COLLECTION, t)
-    return t
+from memsave.strategies.base import Choice, explicit, keep_if, union
+from memsave.strategies.collection import CHECKPOINT_COLLECTION, mark_checkpoint, marked_tensors
+from memsave.strategies.memory import narrowest_cuts
+from memsave.strategies.speed import EXPENSIVE_OP_TYPES, expensive_op_outputs
+
+STRATEGIES = {
+    "collection": marked_tensors(CHECKPOINT_COLLECTION),
+    "memory": narrowest_cuts(),
+    "speed": expensive_op_outputs(),
+}
+
+__all__ = [
+    "STRATEGIES", "Choice", "explicit", "keep_if", "union", "CHECKPOINT_COLLECTION",
+    "mark_checkpoint", "marked_tensors", "narrowest_cuts", "EXPENSIVE_OP_TYPES",
+    "expensive_op_outputs",
+]

@@ -1,0 +1,129 @@
+"""Checking and normalising what the user passed to `memsave.gradients`.
+
+Everything here runs before the first op is created, so bad input never leaves
+the user's graph half-rewritten.
+"""
+
+import tensorflow as tf
+
+from memsave.errors import MemsaveError
+from memsave.graph import _tf_private
+from memsave.strategies import STRATEGIES, explicit
+
+EAGER_HINT = (
+    "memsave rewrites graphs, so it needs graph tensors: build the step inside tf.function, e.g.\n"
+    "    @tf.function\n"
+    "    def train_step(x, y):\n"
+    "        loss = loss_fn(model(x), y)\n"
+    "        grads = memsave.gradients(loss, model.trainable_variables, checkpoints='memory')\n"
+    "        optimizer.apply_gradients(zip(grads, model.trainable_variables))\n"
+    "or use a tf.compat.v1 Graph.")
+
+
+def _as_list(value, what):
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, (set, frozenset, dict)):
+        raise MemsaveError(f"{what} is a {type(value).__name__}; pass a tensor or a list/tuple "
+                           "(sets and dicts have no reliable order)")
+    return [value]
+
+
+def _is_variable(value):
+    return isinstance(value, tf.Variable) or hasattr(value, "handle") and hasattr(value, "read_value")
+
+
+def _check_graph_tensor(t, what):
+    if _tf_private.is_eager_tensor(t):
+        raise MemsaveError(f"{what} is an eager tensor; {EAGER_HINT}")
+    if not isinstance(t, (tf.Tensor, tf.IndexedSlices)):
+        raise MemsaveError(f"{what} is a {type(t).__name__}, not a graph tensor; pass tf.Tensor "
+                           "objects produced by ops of the graph being differentiated")
+
+
+def normalise_ys(ys):
+    """Returns ys as a non-empty list of floating graph tensors, all of one graph."""
+    if tf.executing_eagerly() and not tf.inside_function():
+        raise MemsaveError(f"called eagerly, outside any graph; {EAGER_HINT}")
+    ys = _as_list(ys, "ys")
+    if not ys:
+        raise MemsaveError("ys is empty; pass the tensor (or list of tensors) to differentiate")
+    for i, y in enumerate(ys):
+        _check_graph_tensor(y, f"ys[{i}]")
+        if not (y.dtype.is_floating or y.dtype.is_complex):
+            raise MemsaveError(f"ys[{i}] ({y.name}) has dtype {y.dtype.name}; gradients need "
+                               "floating-point ys: cast it, e.g. tf.cast(y, tf.float32)")
+    graph = ys[0].graph
+    for i, y in enumerate(ys[1:], start=1):
+        if y.graph is not graph:
+            raise MemsaveError(f"ys[{i}] ({y.name}) belongs to another graph than ys[0]; "
+                               "all ys must come from one graph")
+    return ys, graph
+
+
+def normalise_xs(xs, graph):
+    """Returns xs as a non-empty list of graph tensors of `graph` (variables -> their handles)."""
+    xs = _as_list(xs, "xs")
+    if not xs:
+        raise MemsaveError("xs is empty; pass the tensors or variables to differentiate with "
+                           "respect to, e.g. model.trainable_variables")
+    result = []
+    for i, x in enumerate(xs):
+        if _is_variable(x):
+            x = _tf_private.graph_tensor_of_variable(x, graph)
+        else:
+            _check_graph_tensor(x, f"xs[{i}]")
+        if x.graph is not graph:
+            raise MemsaveError(f"xs[{i}] ({x.name}) belongs to another graph than ys; "
+                               "build xs and ys in the same graph")
+        result.append(x)
+    return result
+
+
+def normalise_grad_ys(grad_ys, ys):
+    """Returns grad_ys as a list matching ys, or None."""
+    if grad_ys is None:
+        return None
+    grad_ys = _as_list(grad_ys, "grad_ys")
+    if len(grad_ys) != len(ys):
+        raise MemsaveError(f"got {len(grad_ys)} grad_ys for {len(ys)} ys; pass one per y (or None)")
+    return grad_ys
+
+
+def _tensor_by_name(name, graph, index):
+    try:
+        return graph.get_tensor_by_name(name if ":" in name else name + ":0")
+    except (KeyError, ValueError) as error:
+        raise MemsaveError(f"checkpoints[{index}] names '{name}', which is not a tensor of this "
+                           "graph; pass tensor objects or full names such as 'dense/Relu:0'") from error
+
+
+def resolve_strategy(checkpoints, graph):
+    """Turns the `checkpoints` argument into (strategy callable, display name).
+
+    Raises:
+      MemsaveError: for unknown names, non-lists, and tensors of other graphs.
+    """
+    if isinstance(checkpoints, str):
+        if checkpoints not in STRATEGIES:
+            raise MemsaveError(f"unknown checkpoints strategy '{checkpoints}'; expected a list of "
+                               f"tensors or one of {', '.join(repr(k) for k in sorted(STRATEGIES))}")
+        return STRATEGIES[checkpoints], checkpoints
+    if callable(checkpoints) and not isinstance(checkpoints, (tf.Tensor, tf.Variable)):
+        return checkpoints, getattr(checkpoints, "__name__", "custom")
+    if not isinstance(checkpoints, (list, tuple)):
+        raise MemsaveError(f"checkpoints is a {type(checkpoints).__name__}; expected a list of "
+                           f"tensors (or tensor names) or one of "
+                           f"{', '.join(repr(k) for k in sorted(STRATEGIES))}")
+    tensors = []
+    for i, item in enumerate(checkpoints):
+        if isinstance(item, str):
+            item = _tensor_by_name(item, graph, i)
+        elif not isinstance(item, tf.Tensor) or _tf_private.is_eager_tensor(item):
+            raise MemsaveError(f"checkpoints[{i}] is a {type(item).__name__}; a checkpoint list "
+                               "holds graph tensors or tensor names")
+        if item.graph is not graph:
+            raise MemsaveError(f"checkpoints[{i}] ({item.name}) belongs to another graph; pass "
+                               "tensors of the graph being differentiated")
+        tensors.append(item)
+    return explicit(tensors), "explicit list"

@@ -1,0 +1,141 @@
+"""Step 1 of the rewrite: the forward region, the ops that may be recomputed.
+
+The region is the set of ops on a path from xs to ys, in topological order,
+without the ops that must never be re-executed: the xs' own ops, ops with no
+inputs, and ops whose value could change if run twice (stateful ops such as
+variable reads/assignments and random draws, and control-flow ops, whose
+copies would not be valid). Those are decided by op type and op definition,
+never by name.
+"""
+
+import logging
+
+import numpy as np
+import tensorflow as tf
+
+from memsave.graph import _tf_private
+from memsave.graph.select import (
+    TensorSet, get_backward_walk_ops, get_forward_walk_ops, topological_sort)
+
+logger = logging.getLogger(__name__)
+
+# Functional control flow and function calls: their bodies live in the function
+# library and their gradients rely on Python-side state of the original op.
+CONTROL_FLOW_OP_TYPES = frozenset([
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall",
+    # v1 control flow primitives.
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
+    "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
+])
+
+
+NOT_RECOMPUTABLE = "not recomputable, so already kept"
+
+
+def why_not_recomputable(op):
+    """Why `op` must not be copied and run again, or None if it may be.
+
+    Returns:
+      A short reason string ('stateful', 'control flow', 'no inputs'), or None.
+    """
+    if op.type in CONTROL_FLOW_OP_TYPES or _tf_private.control_flow_context(op) is not None:
+        return "control flow"
+    if op.op_def is not None and op.op_def.is_stateful:
+        return "stateful"
+    if not op.inputs:
+        return "no inputs"
+    return None
+
+
+def estimated_bytes(t):
+    """Static size estimate of a tensor; unknown dimensions count as 1."""
+    if t.shape.rank is None:
+        return t.dtype.size if t.dtype != tf.resource and t.dtype != tf.variant else 0
+    dims = [d if d is not None else 1 for d in t.shape.as_list()]
+    size = t.dtype.size if t.dtype not in (tf.string, tf.resource, tf.variant) else 0
+    return int(np.prod(dims, dtype=np.int64)) * size
+
+
+class ForwardRegion:
+    """The recomputable ops between xs and ys, in topological order.
+
+    Attributes:
+      ops: region ops, topologically sorted (ties keep graph discovery order).
+      position: op -> index in `ops`.
+      xs, ys: the graph tensors the region was built for.
+      kept_ops: ops on the path that are not recomputable, with the reason
+        (their outputs are kept and read by the recomputed copies).
+    """
+
+    def __init__(self, ops, xs, ys, kept_ops):
+        self.ops = ops
+        self.position = {op: i for i, op in enumerate(ops)}
+        self.op_set = frozenset(ops)
+        self._path_ops = self.op_set | {op for op, _ in kept_ops}
+        self.xs = xs
+        self.ys = ys
+        self.kept_ops = kept_ops
+        self._xs_set = TensorSet(xs)
+        self._ys_set = TensorSet(ys)
+        self.cache = {}  # per-rewrite memo for strategies
+
+    @classmethod
+    def build(cls, ys, xs):
+        """Builds the region for gradients of `ys` with respect to `xs`.
+
+        Args:
+          ys, xs: lists of graph tensors of one graph.
+        Returns:
+          A ForwardRegion (possibly empty).
+        """
+        backward = get_backward_walk_ops([y.op for y in ys], inclusive=True)
+        on_path = get_forward_walk_ops(list(xs), inclusive=True, within_ops=backward)
+        x_ops = {x.op for x in xs}
+        region, kept = [], []
+        for op in on_path:
+            if op in x_ops:
+                continue
+            reason = why_not_recomputable(op)
+            if reason is None:
+                region.append(op)
+            else:
+                kept.append((op, reason))
+        ops = topological_sort(region)
+        logger.debug("memsave: forward region has %d ops (%d kept as not recomputable)",
+                     len(ops), len(kept))
+        return cls(ops, list(xs), list(ys), kept)
+
+    def __contains__(self, op):
+        return op in self.position
+
+    def __len__(self):
+        return len(self.ops)
+
+    def is_x(self, t):
+        return t in self._xs_set
+
+    def is_y(self, t):
+        return t in self._ys_set
+
+    def depends_on_xs(self, t):
+        """True if `t` is an x or is made by an op on a path from the xs."""
+        return t.op in self._path_ops or self.is_x(t)
+
+    def is_connected(self, x):
+        """True if some y depends on `x` (structurally)."""
+        return self.is_y(x) or any(c in self._path_ops for c in x.consumers())
+
+    def why_outside(self, op):
+        """Why an op that is not in the region is not there."""
+        if op in self._path_ops:
+            return NOT_RECOMPUTABLE
+        return "it is not on a path from the xs to the ys"
+
+    def tensors(self):
+        """Output tensors of region ops, in topological order."""
+        return [t for op in self.ops for t in op.outputs]
+
+    def region_consumers(self, t):
+        """Consumers of `t` that lie in the region."""
+        return [c for c in t.consumers() if c in self.position]

@@ -1,0 +1,52 @@
+"""What a checkpoint strategy is, the factories that build one, and the combinator.
+
+A strategy is a callable `strategy(region) -> list[Choice]`: given the forward
+region (memsave.region.ForwardRegion) it names the tensors to keep, each with
+the reason it was kept. Simple strategies are tensor predicates turned into
+strategies by `keep_if`; `union` combines any number of strategies.
+"""
+
+import collections
+
+from memsave.graph.select import TensorSet
+
+Choice = collections.namedtuple("Choice", ["tensor", "reason"])
+
+
+def keep_if(predicate, reason):
+    """A strategy keeping every region tensor `t` with `predicate(t, region)`.
+
+    Args:
+      predicate: callable (tensor, region) -> bool.
+      reason: text recorded in the report for each kept tensor; may use
+        `{op_type}`.
+    Returns:
+      A strategy.
+    """
+    def strategy(region):
+        return [Choice(t, reason.format(op_type=t.op.type))
+                for t in region.tensors() if predicate(t, region)]
+    strategy.__name__ = f"keep_if({reason})"
+    return strategy
+
+
+def union(*strategies):
+    """A strategy keeping what any of `strategies` keeps (first reason wins)."""
+    def strategy(region):
+        seen, choices = TensorSet(), []
+        for member in strategies:
+            for choice in member(region):
+                if choice.tensor not in seen:
+                    seen.add(choice.tensor)
+                    choices.append(choice)
+        return choices
+    strategy.__name__ = "union(" + ", ".join(s.__name__ for s in strategies) + ")"
+    return strategy
+
+
+def explicit(tensors):
+    """A strategy keeping exactly `tensors` (already resolved graph tensors)."""
+    def strategy(region):
+        return [Choice(t, "listed by the caller") for t in tensors]
+    strategy.__name__ = "explicit"
+    return strategy
