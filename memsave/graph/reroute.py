@@ -29,7 +29,7 @@ def _collect_edges(pairs, allowed, forbidden):
     for t_new, t_old in pairs:
         old_key = tensor_key(t_old)
         # consumers() lists an op once per input it reads t_old on; visit it once.
-        for consumer in t_old.consumers():
+        for consumer in dict.fromkeys(t_old.consumers()):
             if consumer in forbidden or (allowed is not None and consumer not in allowed):
                 continue
             for index, t in enumerate(consumer.inputs):
