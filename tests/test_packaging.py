@@ -227,3 +227,21 @@ def test_version_check_missing_tensorflow_in_process(monkeypatch):
     with pytest.raises(ImportError, match="memsave: TensorFlow is not installed") as info:
         _version_check.check_tensorflow_version()
     assert isinstance(info.value.__cause__, ImportError)
+
+
+# --- the README's commands and .ci/run --------------------------------------------------
+
+
+@pytest.mark.skipif(not (REPO / "README.md").is_file() or not (REPO / ".ci" / "run").is_file(),
+                    reason="needs the source tree's README.md and .ci/run")
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme = (REPO / "README.md").read_text()
+    first_block = re.search(r"```(?:bash|sh)?\n(.*?)```", readme, re.S).group(1)
+    commands = [line.strip() for line in first_block.splitlines() if line.strip()]
+    assert commands == ['pip install ".[cpu,bench]" && python benchmarks/compare.py',
+                        'pip install ".[cpu,test]" && pytest -q tests']
+    ci = (REPO / ".ci" / "run").read_text()
+    assert commands[1] in ci.splitlines()
+    assert "set -euo pipefail" in ci
+    assert os.access(REPO / ".ci" / "run", os.X_OK)
+    assert (REPO / "benchmarks" / "compare.py").is_file()
