@@ -1,10 +1,9 @@
 """gradient_function, MemsaveOptimizer, the tf.function training-step pattern, eager errors.
 
-Every test compares with the unpatched tf.gradients run of the same model; the
-custom-loop memory test measures peak bytes in one process per configuration.
+Every test compares with the unpatched tf.gradients run of the same model. (The
+memory saving of a tf.function training step is measured in test_memory.py and,
+through Keras' compiled step, in test_integrations_keras.py.)
 """
-
-import os
 
 import keras
 import numpy as np
@@ -12,11 +11,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from memsave.measure import run_isolated
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-CHILD_ENV = {"PYTHONPATH": os.pathsep.join([HERE, REPO, os.environ.get("PYTHONPATH", "")])}
 
 
 def _weights(depth, width, seed=0):
@@ -188,39 +183,3 @@ def test_custom_training_loop_losses_match(checkpoints):
     memsaved = _custom_loop(lambda ys, xs: memsave.gradients(ys, xs, checkpoints=checkpoints))
     np.testing.assert_allclose(memsaved, plain, rtol=1e-5)
     assert plain[-1] < plain[0]
-
-
-def measure_custom_loop_peak(use_memsave, depth=30, batch=2048, width=256):
-    """Runs in a fresh process: peak bytes of one tf.function training step, and the losses."""
-    import tensorflow as tf  # noqa: F811 (fresh process)
-
-    import memsave as ms
-    from memsave.measure import peak_memory_bytes
-
-    weights = [tf.Variable(w) for w in _weights(depth, width, seed=0)]
-    x = tf.constant(np.random.RandomState(1).randn(batch, width).astype(np.float32))
-    grad_fn = ms.gradient_function("memory") if use_memsave else tf.gradients
-
-    @tf.function
-    def train_step(x):
-        loss = _mlp_loss(x, weights)
-        grads = grad_fn(loss, weights)
-        for w, g in zip(weights, grads):
-            w.assign_sub(0.1 * g)
-        return loss
-
-    losses = [float(train_step(x))]  # trace + warm-up
-    peak, loss = peak_memory_bytes(lambda: train_step(x))
-    losses.append(float(loss))
-    return {"peak": int(peak), "losses": losses}
-
-
-def test_custom_training_loop_saves_memory():
-    target = f"{__name__}:measure_custom_loop_peak"
-    plain = run_isolated(target, timeout=240, env=CHILD_ENV, use_memsave=False)
-    memsaved = run_isolated(target, timeout=240, env=CHILD_ENV, use_memsave=True)
-    np.testing.assert_allclose(memsaved["losses"], plain["losses"], rtol=1e-5)
-    ratio = memsaved["peak"] / plain["peak"]
-    print(f"tf.function step peak: tf.gradients {plain['peak'] / 2**20:.1f} MiB, "
-          f"memsave {memsaved['peak'] / 2**20:.1f} MiB, ratio {ratio:.2f}")
-    assert ratio < 0.7, (plain, memsaved)

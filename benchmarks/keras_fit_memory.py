@@ -1,0 +1,144 @@
+"""Peak memory of one Keras 3 `model.fit` step: plain Keras against memsave.keras.
+
+    python benchmarks/keras_fit_memory.py                      # 24 Dense layers, batch 2048
+    python benchmarks/keras_fit_memory.py --depth 48 --width 512 --checkpoints memory speed
+
+Each configuration runs in its own process (`memsave.measure.run_isolated`, BFC
+allocator on): build a deep tanh MLP (functional Keras model, seeded), compile
+with SGD (jit_compile=False in both, so both run the same executor), fit one
+epoch of one batch to trace and warm up, then fit one more one-batch epoch while
+the allocator records its peak. The losses of both epochs are returned, so the
+parent can check that memsave trains exactly like Keras.
+
+Columns: peak MiB (allocator peak during the measured fit step: weights,
+optimizer state, data, activations, gradients), x keras (that peak divided by
+plain Keras'), losses (the two epochs' losses).
+"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from memsave import measure  # noqa: E402
+
+logger = logging.getLogger("memsave.benchmarks")
+
+TARGET = "benchmarks.keras_fit_memory:measure_fit_step"
+DEFAULTS = {"depth": 24, "width": 256, "batch": 2048, "classes": 10}
+
+
+def build_model(depth, width, classes, memsave_checkpoints=None, seed=0):
+    """A deep tanh MLP, functional; a memsave.keras.MemsaveModel if checkpoints are given.
+
+    Args:
+      depth: number of hidden Dense(width, tanh) layers.
+      width: units per hidden layer (and input features).
+      classes: output classes (softmax-free logits).
+      memsave_checkpoints: None for a plain keras.Model, else the memsave strategy.
+      seed: weight-initialisation seed (the same in every process).
+    Returns:
+      An uncompiled Keras model.
+    """
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((width,))
+    h = inputs
+    for i in range(depth):
+        h = keras.layers.Dense(width, activation="tanh", name=f"dense_{i}")(h)
+    outputs = keras.layers.Dense(classes, name="logits")(h)
+    if memsave_checkpoints is None:
+        return keras.Model(inputs, outputs)
+    import memsave
+    return memsave.keras.MemsaveModel(inputs, outputs, checkpoints=memsave_checkpoints)
+
+
+def synthetic_batch(batch, width, classes, seed=1):
+    """A seeded batch (features float32, integer labels)."""
+    import numpy as np
+    rng = np.random.RandomState(seed)
+    return (rng.randn(batch, width).astype("float32"),
+            rng.randint(0, classes, size=(batch,)).astype("int32"))
+
+
+def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["width"],
+                     batch=DEFAULTS["batch"], classes=DEFAULTS["classes"]):
+    """In a fresh process: peak bytes of one `fit` step (one batch, one epoch).
+
+    Args:
+      checkpoints: None for plain Keras, else the memsave strategy name.
+      depth, width, batch, classes: model and batch size.
+    Returns:
+      {"peak": bytes, "losses": [first epoch's loss, measured epoch's loss]}.
+    """
+    import keras
+
+    from memsave.measure import peak_memory_bytes
+
+    model = build_model(depth, width, classes, checkpoints)
+    model.compile(optimizer=keras.optimizers.SGD(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    x, y = synthetic_batch(batch, width, classes)
+    first = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    peak, history = peak_memory_bytes(
+        lambda: model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False))
+    return {"peak": int(peak),
+            "losses": [float(first.history["loss"][0]), float(history.history["loss"][0])]}
+
+
+def compare(strategies=("memory",), timeout=600, **sizes):
+    """Plain Keras and each memsave strategy, each in its own process.
+
+    Returns:
+      A list of rows {"config", "peak", "ratio", "losses"}; plain Keras first.
+    """
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    base = measure.run_isolated(TARGET, timeout=timeout, env=env, checkpoints=None, **sizes)
+    rows = [{"config": "keras (GradientTape)", "peak": base["peak"], "ratio": 1.0,
+             "losses": base["losses"]}]
+    for strategy in strategies:
+        result = measure.run_isolated(TARGET, timeout=timeout, env=env, checkpoints=strategy,
+                                      **sizes)
+        rows.append({"config": f"memsave.keras ({strategy})", "peak": result["peak"],
+                     "ratio": result["peak"] / base["peak"], "losses": result["losses"]})
+    return rows
+
+
+def format_rows(rows):
+    """The rows as a Markdown table."""
+    lines = ["| config | peak MiB | x keras | losses |", "|---|---:|---:|---|"]
+    for row in rows:
+        losses = ", ".join(f"{v:.6f}" for v in row["losses"])
+        lines.append(f"| {row['config']} | {row['peak'] / 2**20:.1f} | {row['ratio']:.2f} | "
+                     f"{losses} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """Command line: measure and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depth", type=int, default=DEFAULTS["depth"])
+    parser.add_argument("--width", type=int, default=DEFAULTS["width"])
+    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    parser.add_argument("--checkpoints", nargs="+", default=["memory"],
+                        choices=["memory", "speed", "collection"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    rows = compare(tuple(args.checkpoints), depth=args.depth, width=args.width,
+                   batch=args.batch)
+    print(f"Keras fit step, {args.depth} x Dense({args.width}, tanh), batch {args.batch}")
+    print(format_rows(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Keras 3 (TensorFlow backend): `model.fit` with memsave gradients.
+
+Keras' own TensorFlow train step computes gradients with a `GradientTape`. Here
+the same step computes the loss symbolically inside Keras' compiled
+`tf.function` and takes its gradients with `memsave.gradients`; everything else
+is Keras': metrics and the "loss" tracker, loss scaling (`LossScaleOptimizer`,
+mixed precision), `model.optimizer.apply_gradients`, distribution strategies.
+
+Three ways in, pick one:
+
+    # 1. a functional (or subclassed) model
+    model = memsave.keras.MemsaveModel(inputs, outputs, checkpoints='memory')
+
+    # 2. a Sequential model
+    model = memsave.keras.MemsaveSequential([...], checkpoints='memory')
+
+    # 3. any existing model, e.g. keras.applications.ResNet50(weights=None)
+    model = memsave.keras.enable(model, checkpoints='memory')
+
+    model.compile(optimizer='adam', loss='sparse_categorical_crossentropy')
+    model.fit(x, y)
+
+Or, in your own `Model` subclass, `return memsave.keras.train_step(self, data)`
+from `train_step`.
+
+Needs graph execution (the default; not `run_eagerly=True`). XLA
+(`jit_compile=True`) compiles the whole step and may merge the recomputation
+back into the forward pass, so `jit_compile='auto'` is resolved to False for
+these models; an explicit True is kept, with a warning.
+
+This module imports Keras; `import memsave` does not import it (use
+`memsave.keras`, which loads this module on first use).
+"""
+
+import logging
+
+import keras
+import tensorflow as tf
+# Functional models are this class; subclassing it directly (rather than
+# keras.Model) keeps Keras from rewriting MemsaveModel's bases on first use.
+from keras.src.models.functional import Functional as _Functional
+
+from memsave import rewrite as _rewrite
+from memsave.errors import MemsaveError
+from memsave.integrations.optimizers import check_checkpoints
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_CHECKPOINTS = "memory"
+
+_RUN_EAGERLY_HINT = (
+    "memsave rewrites the graph of Keras' compiled train step, so the step must be "
+    "compiled: call model.compile(..., run_eagerly=False) (the default), or, in a "
+    "custom loop, wrap your step in @tf.function.")
+
+
+def _check_backend():
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise MemsaveError(
+            f"memsave.keras needs the TensorFlow backend of Keras, but Keras runs on "
+            f"{backend!r}; set KERAS_BACKEND=tensorflow before importing keras.")
+
+
+def _unscale_loss_for_distribution(loss):
+    # Keras' own train step reports the loss before its per-replica scaling.
+    from keras.src.losses.loss import unscale_loss_for_distribution
+    return unscale_loss_for_distribution(loss)
+
+
+def _batch_size(x):
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+def _tf_variable(variable):
+    """The TensorFlow variable behind a Keras variable (what the graph reads)."""
+    if isinstance(variable, keras.Variable):
+        # Outside a layer's call (no autocast scope) `value` is the backend
+        # variable itself: a tf.Variable, or a distributed one under a strategy.
+        return variable.value
+    return variable
+
+
+def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS):
+    """One Keras training step whose gradients come from `memsave.gradients`.
+
+    The same steps as Keras' TensorFlow `train_step` (forward pass with
+    `training=True`, `compute_loss`, the "loss" tracker, `optimizer.scale_loss`,
+    `optimizer.apply_gradients`, `compute_metrics`) with memsave in place of the
+    `GradientTape`. Call it from a model's `train_step`.
+
+    Args:
+      model: a compiled `keras.Model` (TensorFlow backend).
+      data: the batch as Keras passes it to `train_step`: `x`, `(x, y)` or
+        `(x, y, sample_weight)`.
+      checkpoints: memsave strategy: 'memory' (default), 'speed', 'collection'
+        or a list of tensors to keep.
+    Returns:
+      The dict of metric results, as Keras' `train_step` returns.
+    Raises:
+      MemsaveError: when run eagerly (`run_eagerly=True`), on a non-TensorFlow
+        backend, or for a graph memsave cannot rewrite.
+    """
+    _check_backend()
+    if tf.executing_eagerly():
+        raise MemsaveError("memsave.keras train_step is running eagerly.",
+                           hint=_RUN_EAGERLY_HINT)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if model._call_has_training_arg:  # pylint: disable=protected-access
+        y_pred = model(x, training=True)
+    else:
+        y_pred = model(x)
+    # Keras' wrapper around compute_loss (handles overridden signatures).
+    loss = model._compute_loss(  # pylint: disable=protected-access
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+    model._loss_tracker.update_state(  # pylint: disable=protected-access
+        _unscale_loss_for_distribution(loss), sample_weight=_batch_size(x))
+    if model.optimizer is not None:
+        loss = model.optimizer.scale_loss(loss)
+    trainable_weights = model.trainable_weights
+    if trainable_weights:
+        grads = _rewrite.gradients(loss, [_tf_variable(v) for v in trainable_weights],
+                                   checkpoints=checkpoints)
+        model.optimizer.apply_gradients(zip(grads, trainable_weights))
+    else:
+        _log.warning("memsave.keras: the model has no trainable weights; nothing to train")
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _resolve_jit_compile(jit_compile):
+    if jit_compile == "auto":
+        return False
+    if jit_compile:
+        _log.warning(
+            "memsave.keras: jit_compile=True: XLA may merge memsave's recomputation back "
+            "into the forward pass, so the memory saving is not guaranteed; use "
+            "jit_compile=False to be sure of it.")
+    return jit_compile
+
+
+class MemsaveTrainStep:
+    """Mixin for `keras.Model` subclasses: `fit` computes gradients with memsave.
+
+    Put it before the Keras base class: `class M(MemsaveTrainStep, keras.Model)`.
+    The strategy is the attribute `memsave_checkpoints` (default 'memory').
+    """
+
+    memsave_checkpoints = DEFAULT_CHECKPOINTS
+
+    def train_step(self, data):
+        """Keras' train step with memsave gradients (see `train_step`).
+
+        Args:
+          data: the batch Keras passes in.
+        Returns:
+          The dict of metric results.
+        """
+        return train_step(self, data, self.memsave_checkpoints)
+
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """`keras.Model.compile`, with jit_compile='auto' resolved to False (see module doc)."""
+        return super().compile(*args, jit_compile=_resolve_jit_compile(jit_compile), **kwargs)
+
+
+class MemsaveModel(MemsaveTrainStep, _Functional):
+    """A functional `keras.Model` whose `fit` uses memsave gradients.
+
+        model = memsave.keras.MemsaveModel(inputs, outputs, checkpoints='memory')
+
+    For a subclassed model use the mixin instead:
+    `class MyModel(memsave.keras.MemsaveTrainStep, keras.Model)`.
+    """
+
+    def __init__(self, *args, checkpoints=DEFAULT_CHECKPOINTS, **kwargs):
+        """Builds the model as `keras.Model(inputs, outputs)` would.
+
+        Args:
+          *args, **kwargs: as for a functional `keras.Model` (inputs, outputs,
+            name, ...).
+          checkpoints: memsave strategy for `fit`: 'memory' (default),
+            'speed', 'collection' or a list of tensors.
+        Raises:
+          MemsaveError: if `checkpoints` names no strategy.
+        """
+        check_checkpoints(checkpoints)
+        super().__init__(*args, **kwargs)
+        self.memsave_checkpoints = checkpoints
+
+
+class MemsaveSequential(MemsaveTrainStep, keras.Sequential):
+    """A `keras.Sequential` whose `fit` uses memsave gradients.
+
+        model = memsave.keras.MemsaveSequential([...layers...], checkpoints='memory')
+    """
+
+    def __init__(self, layers=None, *args, checkpoints=DEFAULT_CHECKPOINTS, **kwargs):
+        """Builds the model as `keras.Sequential` would.
+
+        Args:
+          layers, *args, **kwargs: as for `keras.Sequential`.
+          checkpoints: memsave strategy for `fit`.
+        Raises:
+          MemsaveError: if `checkpoints` names no strategy.
+        """
+        check_checkpoints(checkpoints)
+        super().__init__(layers, *args, **kwargs)
+        self.memsave_checkpoints = checkpoints
+
+
+def enable(model, checkpoints=DEFAULT_CHECKPOINTS):
+    """Makes an existing Keras model's `fit` compute gradients with memsave.
+
+    For models you did not define, e.g. `keras.applications.ResNet50(weights=None)`.
+    Works before or after `compile`; call `disable(model)` to go back.
+
+    Args:
+      model: a `keras.Model` (TensorFlow backend).
+      checkpoints: memsave strategy: 'memory' (default), 'speed', 'collection'
+        or a list of tensors to keep.
+    Returns:
+      `model`, changed in place.
+    Raises:
+      MemsaveError: if `model` is not a Keras model, the backend is not
+        TensorFlow, or `checkpoints` names no strategy.
+    """
+    _check_backend()
+    check_checkpoints(checkpoints)
+    if not isinstance(model, keras.Model):
+        raise MemsaveError(f"memsave.keras.enable takes a keras.Model, got {type(model).__name__}")
+
+    def memsave_train_step(data):
+        return train_step(model, data, checkpoints)
+
+    memsave_train_step.memsave_checkpoints = checkpoints
+    # An instance attribute wins over the class's train_step; the next fit
+    # builds its train function from it.
+    model.train_step = memsave_train_step
+    model.train_function = None
+    if getattr(model, "compiled", False) and model.jit_compile:
+        _resolve_jit_compile(True)
+    return model
+
+
+def disable(model):
+    """Undoes `enable`: the model's `fit` uses its class's train step again.
+
+    Args:
+      model: a model passed to `enable` (anything else is left as it is).
+    Returns:
+      `model`.
+    """
+    step = vars(model).get("train_step")
+    if step is not None and hasattr(step, "memsave_checkpoints"):
+        del model.train_step
+        model.train_function = None
+    return model

@@ -1,0 +1,163 @@
+"""memsave.keras: Keras 3 `fit` with memsave gradients matches plain `fit`, and saves memory.
+
+Plain `fit` is the reference for every test (same seeded weights and data);
+the memory test runs `benchmarks/keras_fit_memory.py`'s measurement, one
+process per configuration.
+"""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave.measure import run_isolated
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+from benchmarks import keras_fit_memory  # noqa: E402
+
+CHILD_ENV = {"PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+DEPTH, WIDTH, CLASSES, SAMPLES, BATCH = 8, 32, 4, 128, 32
+
+
+def _data(seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(SAMPLES, WIDTH).astype("float32")
+    y = rng.randint(0, CLASSES, size=(SAMPLES,)).astype("int32")
+    return x, y
+
+
+def _layers(dtype=None):
+    return ([keras.layers.Dense(WIDTH, activation="tanh", dtype=dtype) for _ in range(DEPTH)]
+            + [keras.layers.Dense(CLASSES, dtype=dtype)])
+
+
+def _functional(model_class, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((WIDTH,))
+    h = inputs
+    for layer in _layers():
+        h = layer(h)
+    return model_class(inputs, h, **kwargs)
+
+
+def _compile(model, optimizer=None):
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def _fit(model, epochs=2):
+    x, y = _data()
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False)
+    return history.history
+
+
+def _assert_same_history(got, expected):
+    assert set(got) == set(expected) == {"loss", "accuracy"}
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["accuracy"], expected["accuracy"])
+    assert expected["loss"][-1] < expected["loss"][0]
+
+
+@pytest.fixture(scope="module")
+def reference_history():
+    """Plain Keras fit of the functional model: the reference."""
+    return _fit(_compile(_functional(keras.Model)))
+
+
+def test_memsave_model_fit_matches_plain_fit(reference_history, checkpoints="memory"):
+    model = _compile(_functional(memsave.keras.MemsaveModel, checkpoints=checkpoints))
+    assert model.memsave_checkpoints == checkpoints
+    history = _fit(model)
+    _assert_same_history(history, reference_history)
+    assert int(model.optimizer.iterations) == 2 * SAMPLES // BATCH
+    assert model.jit_compile is False  # 'auto' resolved to False for memsave models
+    report = memsave.last_report()
+    assert report is not None and report.checkpoints, "memsave did not rewrite the train step"
+
+
+def test_sequential_and_enable_match_plain_fit(reference_history):
+    keras.utils.set_random_seed(0)
+    sequential = memsave.keras.MemsaveSequential([keras.Input((WIDTH,))] + _layers())
+    _assert_same_history(_fit(_compile(sequential)), reference_history)
+
+    plain = _compile(_functional(keras.Model))
+    assert memsave.keras.enable(plain, checkpoints="memory") is plain
+    _assert_same_history(_fit(plain), reference_history)
+    memsave.keras.disable(plain)
+    assert "train_step" not in vars(plain)
+
+
+def test_subclassed_model_with_mixin(reference_history):
+    class Deep(memsave.keras.MemsaveTrainStep, keras.Model):
+        memsave_checkpoints = "memory"
+
+        def __init__(self):
+            super().__init__()
+            keras.utils.set_random_seed(0)
+            self.stack = _layers()
+
+        def call(self, x):
+            for layer in self.stack:
+                x = layer(x)
+            return x
+
+    model = _compile(Deep())
+    _assert_same_history(_fit(model), reference_history)
+
+
+def test_loss_scale_optimizer_mixed_precision():
+    def run(model_class, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((WIDTH,))
+        h = inputs
+        for layer in _layers(dtype="mixed_float16"):
+            h = layer(h)
+        h = keras.layers.Activation("linear", dtype="float32")(h)
+        model = model_class(inputs, h, **kwargs)
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                        initial_scale=2.0 ** 10)
+        _compile(model, optimizer)
+        history = _fit(model, epochs=2)
+        return history, model
+
+    expected, plain = run(keras.Model)
+    got, model = run(memsave.keras.MemsaveModel, checkpoints="memory")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-3)
+    np.testing.assert_allclose(float(model.optimizer.dynamic_scale),
+                               float(plain.optimizer.dynamic_scale))
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) > 0
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_run_eagerly_is_refused_with_advice():
+    model = _functional(memsave.keras.MemsaveModel)
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    x, _ = _data()
+    with pytest.raises(memsave.MemsaveError, match=r"memsave:.*run_eagerly=False"):
+        model.fit(x, np.zeros((SAMPLES, CLASSES), "float32"), epochs=1, verbose=0)
+
+
+def test_bad_input():
+    with pytest.raises(memsave.MemsaveError, match="unknown checkpoint strategy"):
+        _functional(memsave.keras.MemsaveModel, checkpoints="fastest")
+    with pytest.raises(memsave.MemsaveError, match="takes a keras.Model"):
+        memsave.keras.enable(object())
+
+
+def test_keras_fit_step_saves_memory():
+    # The benchmark's defaults: 24 x Dense(256, tanh), batch 2048 (measured 0.50x).
+    rows = keras_fit_memory.compare(("memory",), timeout=300)
+    plain, memsaved = rows
+    np.testing.assert_allclose(memsaved["losses"], plain["losses"], rtol=1e-5)
+    print("\n" + keras_fit_memory.format_rows(rows))
+    assert memsaved["ratio"] < 0.65, rows
