@@ -39,9 +39,14 @@ logger = logging.getLogger(__name__)
 # names, and the per-segment calls must still reach TensorFlow's own implementation.
 _tf_gradients = tf.compat.v1.gradients
 
+# memsave builds graphs; it must never be transpiled by AutoGraph when called from a
+# tf.function (that is slow, and would turn its Python `if`s into graph conditionals).
+_graph_code = tf.autograph.experimental.do_not_convert
+
 _PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
 
 
+@_graph_code
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     """Gradients of `ys` with respect to `xs`, keeping only checkpoint activations.
 
@@ -90,21 +95,25 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     return result
 
 
+@_graph_code
 def gradients_speed(ys, xs, grad_ys=None, **kwargs):
     """`gradients` with checkpoints='speed' (keep outputs of matmuls/convolutions)."""
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
+@_graph_code
 def gradients_memory(ys, xs, grad_ys=None, **kwargs):
     """`gradients` with checkpoints='memory' (automatic, about sqrt(N) narrow cuts)."""
     return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
 
 
+@_graph_code
 def gradients_collection(ys, xs, grad_ys=None, **kwargs):
     """`gradients` with checkpoints='collection' (tensors marked with mark_checkpoint)."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
 
 
+@_graph_code
 def plan(ys, xs, checkpoints="collection"):
     """What `gradients` would keep, without adding anything to the graph.
 
@@ -288,11 +297,19 @@ class _Rewrite:
         per_x = [list(self.pending_of(x)) for x in self.xs]
         kept = [t for t in self.pending.keys()
                 if not self.region.is_x(t) and t not in self.checkpoints and t not in self.options.stop]
-        if kept:
+        # An x computed from another x passes its gradient on to that x (as in
+        # tf.gradients); as a y of the final call its result is its own total.
+        inner_xs = [t for t in self.pending.keys()
+                    if t.op in self.region.dependent_x_ops and t not in self.options.stop]
+        if kept or inner_xs:
             through_kept = _tf_gradients(
-                kept, self.xs, grad_ys=[aggregate.sum_dense(self.pending_of(t)) for t in kept],
+                kept + inner_xs, self.xs,
+                grad_ys=[aggregate.sum_dense(self.pending_of(t)) for t in kept + inner_xs],
                 stop_gradients=list(self.options.stop) or None, **self.options.passed)
-            for contributions, g in zip(per_x, through_kept):
+            inner = TensorSet(inner_xs)
+            for x, contributions, g in zip(self.xs, per_x, through_kept):
+                if x in inner:
+                    contributions[:] = []
                 if g is not None:
                     contributions.append(g)
         result = [aggregate.sum_keeping_sparse(c) for c in per_x]

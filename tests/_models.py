@@ -1,0 +1,131 @@
+"""Small models shared by the rewrite tests and the isolated memory cases.
+
+Each builder runs inside a graph (a tf.compat.v1 Graph or a tf.function body),
+creates what it needs (variables from fixed numpy seeds) and returns
+`(ys, xs, extras)`, where extras may hold `grad_ys` and marked checkpoints.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import memsave
+
+
+def _const(shape, seed, scale=1.0):
+    return tf.constant((np.random.RandomState(seed).standard_normal(shape) * scale).astype(np.float32))
+
+
+_VARIABLES = {}
+
+
+def reset_variables():
+    """Forgets the variables made so far (call before building a new model)."""
+    _VARIABLES.clear()
+
+
+def _var(shape, seed, scale):
+    # tf.function traces a body that creates variables twice; the second trace must
+    # get the same variables back, so variables are remembered until reset.
+    key = (tuple(shape), seed, scale)
+    if key not in _VARIABLES:
+        _VARIABLES[key] = tf.Variable(
+            (np.random.RandomState(seed).standard_normal(shape) * scale).astype(np.float32))
+    return _VARIABLES[key]
+
+
+def tanh_chain(n=20, width=32):
+    x = _const([8, width], 0)
+    h = x
+    for i in range(n):
+        h = tf.tanh(h * 1.1 + 0.1)
+        if i % 5 == 4:
+            memsave.mark_checkpoint(h)
+    return [tf.reduce_sum(h * h)], [x], {}
+
+
+def resnet_chain(n=20, width=32):
+    x = _const([8, width], 1, 0.5)
+    h = x
+    for i in range(n):
+        h = h + tf.tanh(h) * 0.5
+        if i % 5 == 4:
+            memsave.mark_checkpoint(h)
+    return [tf.reduce_mean(h * h)], [x], {}
+
+
+def deep_mlp(n=8, width=32):
+    x = _const([16, width], 2)
+    weights = [_var([width, width], 10 + i, 1.0 / np.sqrt(width)) for i in range(n)]
+    biases = [_var([width], 50 + i, 0.1) for i in range(n)]
+    h = x
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        h = tf.tanh(tf.matmul(h, w) + b)
+        if i % 3 == 2:
+            memsave.mark_checkpoint(h)
+    return [tf.reduce_mean(h * h)], weights + biases, {}
+
+
+def small_cnn(blocks=3, channels=8):
+    x = _const([4, 12, 12, 3], 3)
+    kernels = [_var([3, 3, 3 if i == 0 else channels, channels], 20 + i, 0.3) for i in range(blocks)]
+    scales = [_var([channels], 60 + i, 0.1) for i in range(blocks)]
+    h = x
+    for i, (k, s) in enumerate(zip(kernels, scales)):
+        h = tf.nn.conv2d(h, k, strides=1, padding="SAME")
+        mean, variance = tf.nn.moments(h, axes=[0, 1, 2])
+        h = tf.nn.batch_normalization(h, mean, variance, offset=s, scale=None, variance_epsilon=1e-3)
+        h = memsave.mark_checkpoint(tf.nn.relu(h))
+    return [tf.reduce_mean(h)], kernels + scales, {}
+
+
+def multiple_ys(n=12, width=16):
+    ys, xs, extras = tanh_chain(n, width)
+    h = ys[0].op.inputs[0]
+    return [ys[0], tf.reduce_sum(tf.sin(h))], xs, extras
+
+
+def with_grad_ys(n=12, width=16):
+    x = _const([4, width], 4)
+    h = x
+    for _ in range(n):
+        h = tf.tanh(h + 0.2)
+    return [h], [x], {"grad_ys": [_const([4, width], 5)]}
+
+
+def intermediate_xs(n=12, width=16):
+    x = _const([4, width], 6)
+    hs, h = [], x
+    for _ in range(n):
+        h = tf.sin(h) + h
+        hs.append(h)
+    return [tf.reduce_sum(h)], [hs[2], hs[6], x], {}
+
+
+def unconnected_xs(n=10, width=16):
+    ys, xs, extras = tanh_chain(n, width)
+    return ys, xs + [_const([3], 7)], extras
+
+
+MODELS = {
+    "tanh_chain": tanh_chain, "resnet_chain": resnet_chain, "deep_mlp": deep_mlp,
+    "small_cnn": small_cnn, "multiple_ys": multiple_ys, "grad_ys": with_grad_ys,
+    "intermediate_xs": intermediate_xs, "unconnected_xs": unconnected_xs,
+}
+
+
+def both_gradients(model, checkpoints):
+    """Builds `model` and returns (tf.gradients result, memsave result) in the current graph."""
+    ys, xs, extras = MODELS[model]()
+    if checkpoints == "every_third":
+        checkpoints = _every_third_op_output(ys, xs)
+    grad_ys = extras.get("grad_ys")
+    expected = tf.gradients(ys, xs, grad_ys=grad_ys)
+    got = memsave.gradients(ys, xs, grad_ys=grad_ys, checkpoints=checkpoints)
+    return expected, got
+
+
+def _every_third_op_output(ys, xs):
+    from memsave.inputs import normalise_xs
+    from memsave.region import ForwardRegion
+    region = ForwardRegion.build(ys, normalise_xs(xs, ys[0].graph))
+    return [op.outputs[0] for op in region.ops[::3] if op.outputs]
