@@ -30,7 +30,10 @@ def _as_list(value, what):
 
 
 def _is_variable(value):
-    return isinstance(value, tf.Variable) or hasattr(value, "handle") and hasattr(value, "read_value")
+    # Keras 3 variables are no tf.Variable and have no read_value, but act as
+    # resource variables (tf.gradients takes them through their handle too).
+    return (isinstance(value, tf.Variable) or tf.__internal__.ops.is_resource_variable(value)
+            or hasattr(value, "handle") and hasattr(value, "read_value"))
 
 
 def _check_graph_tensor(t, what):

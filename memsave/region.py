@@ -79,6 +79,9 @@ class ForwardRegion:
         self._xs_set = TensorSet(xs)
         self._ys_set = TensorSet(ys)
         self.cache = {}  # per-rewrite memo for strategies
+        # Ops of xs that lie downstream of other xs: tf.gradients still sends
+        # their gradient on to the xs upstream of them.
+        self.dependent_x_ops = frozenset()
 
     @classmethod
     def build(cls, ys, xs):
@@ -92,9 +95,12 @@ class ForwardRegion:
         backward = get_backward_walk_ops([y.op for y in ys], inclusive=True)
         on_path = get_forward_walk_ops(list(xs), inclusive=True, within_ops=backward)
         x_ops = {x.op for x in xs}
-        region, kept = [], []
+        region, kept, dependent_x_ops = [], [], []
         for op in on_path:
             if op in x_ops:
+                # on_path is seeded with the xs' consumers, so an x op in it
+                # depends on another x.
+                dependent_x_ops.append(op)
                 continue
             reason = why_not_recomputable(op)
             if reason is None:
@@ -104,7 +110,9 @@ class ForwardRegion:
         ops = topological_sort(region)
         logger.debug("memsave: forward region has %d ops (%d kept as not recomputable)",
                      len(ops), len(kept))
-        return cls(ops, list(xs), list(ys), kept)
+        result = cls(ops, list(xs), list(ys), kept)
+        result.dependent_x_ops = frozenset(dependent_x_ops)
+        return result
 
     def __contains__(self, op):
         return op in self.position

@@ -65,7 +65,11 @@ def graph_tensor_of_variable(variable, graph):
     outer variable's handle is an eager tensor and the body's own tensor is the
     graph's capture of it.
     """
-    handle = variable.handle
+    handle = getattr(variable, "handle", None)
+    if handle is None:
+        # A v1 ref variable (use_resource=False) has no handle; tf.gradients
+        # differentiates with respect to its ref tensor.
+        return tf_ops.convert_to_tensor(variable, as_ref=True)
     if getattr(handle, "graph", None) is graph:
         return handle
     if is_func_graph(graph) and isinstance(handle, tf_ops.EagerTensor):
