@@ -181,6 +181,10 @@ def test_make_list_rejects_bad_input(run_graph):
 def test_eager_tensors_are_rejected():
     with pytest.raises(TypeError, match="graph tensor"):
         ge.make_list_of_t([tf.constant(1.0)])
+    with pytest.raises(TypeError, match="graph tensor"):
+        ge.get_forward_walk_ops([tf.constant(1.0)])
+    with pytest.raises(TypeError, match="graph tensor"):
+        ge.get_backward_walk_ops(tf.constant(1.0))
 
 
 # --- walks agree with brute-force reachability on random DAGs ---------------------------

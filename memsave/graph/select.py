@@ -20,7 +20,13 @@ from memsave.graph import _tf_private
 
 
 def tensor_key(t):
-    """A hashable key for a graph tensor (works in FuncGraphs, where tensors are unhashable)."""
+    """A hashable key for a graph tensor (works in FuncGraphs, where tensors are unhashable).
+
+    Args:
+      t: a graph tensor.
+    Returns:
+      `(t.op, t.value_index)`, equal for every Python object standing for `t`.
+    """
     return (t.op, t.value_index)
 
 
@@ -178,12 +184,24 @@ def _tensor_membership(ts):
 
 
 def get_consuming_ops(ts):
-    """Ops that read any of `ts`, without duplicates."""
+    """Ops that read any of `ts`.
+
+    Args:
+      ts: tensors, or ops standing for all their outputs.
+    Returns:
+      A list of ops without duplicates, in first-seen order.
+    """
     return _unique_ops(op for t in make_list_of_t(ts, allow_ops=True) for op in t.consumers())
 
 
 def get_generating_ops(ts):
-    """Ops that produce `ts`, without duplicates."""
+    """Ops that produce `ts`.
+
+    Args:
+      ts: tensors (ops are taken as they are).
+    Returns:
+      A list of ops without duplicates, in first-seen order.
+    """
     return _unique_ops(t.op for t in make_list_of_t(ts, allow_ops=True))
 
 
@@ -244,13 +262,17 @@ def get_forward_walk_ops(seed_ops, inclusive=True, within_ops=None, stop_at_ts=(
       control_outputs: also follow control outputs.
     Returns:
       A list of ops in discovery order.
+    Raises:
+      TypeError: if a seed is not an op or a graph tensor.
     """
     stop = _tensor_membership(stop_at_ts)
-    seeds = _as_list(seed_ops)
-    seed_tensors = [s for s in seeds if isinstance(s, tf.Tensor)]
-    if seed_tensors:
-        seeds = [s for s in seeds if not isinstance(s, tf.Tensor)]
-        seeds += [op for t in seed_tensors if t not in stop for op in t.consumers()]
+    seeds = []
+    for item in ([seed_ops] if isinstance(seed_ops, tf.Graph) else _as_list(seed_ops)):
+        if isinstance(item, tf.Tensor) and not _tf_private.is_eager_tensor(item):
+            if item not in stop:
+                seeds.extend(item.consumers())
+        else:
+            seeds.extend(make_list_of_op(item, allow_tensors=False))
 
     def consumers_of(op):
         consumers = [c for t in op.outputs if t not in stop for c in t.consumers()]
@@ -266,6 +288,11 @@ def topological_sort(ops):
 
     Order among independent ops follows the input order, so the result is
     deterministic. Control inputs inside the set are respected too.
+
+    Args:
+      ops: ops (or tensors standing for their producers), or a graph.
+    Returns:
+      A list of the same ops.
     Raises:
       ValueError: if the ops contain a cycle (a v1 while loop's back edge).
     """
@@ -299,6 +326,8 @@ def filter_ops(ops, positive_filter):
     Args:
       ops: ops, tensors or a graph.
       positive_filter: a predicate on ops, or True to keep everything.
+    Returns:
+      A list of ops, in the order of `ops`.
     """
     ops = make_list_of_op(ops)
     if positive_filter is True:
@@ -307,7 +336,14 @@ def filter_ops(ops, positive_filter):
 
 
 def filter_ts(ops, positive_filter):
-    """Output tensors of `ops` (or of a graph) for which `positive_filter(t)` is true."""
+    """Output tensors of `ops` (or of a graph) for which `positive_filter(t)` is true.
+
+    Args:
+      ops: ops, tensors standing for their producers, or a graph.
+      positive_filter: a predicate on tensors, or True to keep everything.
+    Returns:
+      A list of tensors, op by op in the order of `ops`.
+    """
     ts = [t for op in make_list_of_op(ops) for t in op.outputs]
     if positive_filter is True:
         return ts
@@ -315,24 +351,53 @@ def filter_ts(ops, positive_filter):
 
 
 def filter_ops_from_regex(ops, regex):
-    """Ops whose full name matches `regex` (re.search)."""
+    """Ops whose full name matches `regex` (re.search, so anchor it with ^...$ to match whole names).
+
+    Args:
+      ops: ops, tensors or a graph.
+      regex: a pattern string or compiled pattern.
+    Returns:
+      A list of ops.
+    """
     pattern = re.compile(regex)
     return filter_ops(ops, lambda op: pattern.search(op.name) is not None)
 
 
 def filter_ts_from_regex(ops, regex):
-    """Output tensors whose full name (`op:index`) matches `regex` (re.search)."""
+    """Output tensors whose full name (`op_name:index`) matches `regex` (re.search).
+
+    Args:
+      ops: ops, tensors standing for their producers, or a graph.
+      regex: a pattern string or compiled pattern.
+    Returns:
+      A list of tensors.
+    """
     pattern = re.compile(regex)
     return filter_ts(ops, lambda t: pattern.search(t.name) is not None)
 
 
 def filter_ops_by_type(ops, op_types):
-    """Ops whose `op.type` is one of `op_types`."""
+    """Ops whose `op.type` is one of `op_types`.
+
+    Args:
+      ops: ops, tensors or a graph.
+      op_types: an op type name or a list of them, e.g. ["MatMul", "Conv2D"].
+    Returns:
+      A list of ops.
+    """
     wanted = frozenset(_as_list(op_types))
     return filter_ops(ops, lambda op: op.type in wanted)
 
 
 def get_name_scope_ops(ops, scope):
-    """Ops under name scope `scope` (the scope itself as a name, or a prefix `scope/`)."""
+    """Ops under name scope `scope`: named `scope` itself or `scope/...`.
+
+    Args:
+      ops: ops, tensors or a graph.
+      scope: a name scope, with or without the trailing "/" ("foo/bar" does not
+        take "foo/barn/x").
+    Returns:
+      A list of ops.
+    """
     scope = scope.rstrip("/")
     return filter_ops(ops, lambda op: op.name == scope or op.name.startswith(scope + "/"))

@@ -22,11 +22,25 @@ class CopyResult:
         self.ops.append(new_op)
 
     def transformed(self, op_or_tensor):
-        """The copy of an original op or tensor, or None if it was not copied."""
+        """The copy of an original op or tensor.
+
+        Args:
+          op_or_tensor: an original op, or one of its output tensors.
+        Returns:
+          The copied op (or the copy's output with the same index), or None if
+          it was not copied.
+        """
         return self._map(op_or_tensor, self._copy_of)
 
     def original(self, op_or_tensor):
-        """The original of a copied op or tensor, or None if it is not a copy."""
+        """The original of a copied op or tensor.
+
+        Args:
+          op_or_tensor: a copied op, or one of its output tensors.
+        Returns:
+          The original op (or its output with the same index), or None if it is
+          not a copy made by this call.
+        """
         return self._map(op_or_tensor, self._original_of)
 
     @staticmethod
