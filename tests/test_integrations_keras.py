@@ -139,6 +139,17 @@ def test_loss_scale_optimizer_mixed_precision():
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
 
+def test_save_and_load_keep_class_strategy_and_compile(tmp_path):
+    model = _compile(_functional(memsave.keras.MemsaveModel, checkpoints="speed"))
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert isinstance(loaded, memsave.keras.MemsaveModel)
+    assert loaded.memsave_checkpoints == "speed"
+    assert loaded.compiled and loaded.loss is not None
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_run_eagerly_is_refused_with_advice():
     model = _functional(memsave.keras.MemsaveModel)
     model.compile(optimizer="sgd", loss="mse", run_eagerly=True)

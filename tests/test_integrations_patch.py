@@ -112,9 +112,14 @@ def test_patch_routes_all_three_and_restores(spy):
             v1 = tf.compat.v1.gradients(loss, variables)
             sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
             grads_and_vars = sgd.compute_gradients(loss, var_list=variables)
-        assert spy == ["collection"] * 3
+            # The two signatures differ from the 5th positional on (gate_gradients
+            # vs colocate_gradients_with_ops): both must still be understood.
+            v2_positional = tf.gradients(loss, variables, None, "g2", True)
+            v1_positional = tf.compat.v1.gradients(loss, variables, None, "g1", True, True)
+        assert spy == ["collection"] * 5
         _assert_unpatched(before)
-        values = _evaluate(graph, [reference, v2, v1, [g for g, _ in grads_and_vars]], feed)
+        values = _evaluate(graph, [reference, v2, v1, [g for g, _ in grads_and_vars],
+                                   v2_positional, v1_positional], feed)
     for got in values[1:]:
         for expected, actual in zip(values[0], got):
             np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)

@@ -25,8 +25,9 @@ from `train_step`.
 
 Needs graph execution (the default; not `run_eagerly=True`). XLA
 (`jit_compile=True`) compiles the whole step and may merge the recomputation
-back into the forward pass, so `jit_compile='auto'` is resolved to False for
-these models; an explicit True is kept, with a warning.
+back into the forward pass, so `jit_compile='auto'` (the default) is resolved to
+False for MemsaveModel/MemsaveSequential/MemsaveTrainStep models; an explicit
+True is kept, with a logged warning.
 
 This module imports Keras; `import memsave` does not import it (use
 `memsave.keras`, which loads this module on first use).
@@ -106,6 +107,7 @@ def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS):
     if tf.executing_eagerly():
         raise MemsaveError("memsave.keras train_step is running eagerly.",
                            hint=_RUN_EAGERLY_HINT)
+    _warn_if_xla(model)  # runs while Keras traces the step, not per batch
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if model._call_has_training_arg:  # pylint: disable=protected-access
         y_pred = model(x, training=True)
@@ -128,15 +130,12 @@ def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS):
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def _resolve_jit_compile(jit_compile):
-    if jit_compile == "auto":
-        return False
-    if jit_compile:
+def _warn_if_xla(model):
+    if getattr(model, "compiled", False) and model.jit_compile:
         _log.warning(
-            "memsave.keras: jit_compile=True: XLA may merge memsave's recomputation back "
-            "into the forward pass, so the memory saving is not guaranteed; use "
-            "jit_compile=False to be sure of it.")
-    return jit_compile
+            "memsave.keras: %s is compiled with jit_compile=True: XLA may merge memsave's "
+            "recomputation back into the forward pass, so the memory saving is not "
+            "guaranteed; compile with jit_compile=False to be sure of it.", model.name)
 
 
 class MemsaveTrainStep:
@@ -158,11 +157,29 @@ class MemsaveTrainStep:
         """
         return train_step(self, data, self.memsave_checkpoints)
 
-    def compile(self, *args, jit_compile="auto", **kwargs):
-        """`keras.Model.compile`, with jit_compile='auto' resolved to False (see module doc)."""
-        return super().compile(*args, jit_compile=_resolve_jit_compile(jit_compile), **kwargs)
+    def _resolve_auto_jit_compile(self):
+        # Keras' hook for jit_compile='auto' (compile's default): no XLA for
+        # memsave models (see the module doc). An explicit True is the user's.
+        return False
+
+    def get_config(self):
+        """The Keras config plus the strategy (when it is a name), for saving."""
+        config = super().get_config()
+        if isinstance(self.memsave_checkpoints, str):
+            config["memsave_checkpoints"] = self.memsave_checkpoints
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuilds a saved model, strategy included."""
+        config = dict(config)
+        checkpoints = config.pop("memsave_checkpoints", cls.memsave_checkpoints)
+        model = super().from_config(config, custom_objects=custom_objects)
+        model.memsave_checkpoints = checkpoints
+        return model
 
 
+@keras.saving.register_keras_serializable(package="memsave")
 class MemsaveModel(MemsaveTrainStep, _Functional):
     """A functional `keras.Model` whose `fit` uses memsave gradients.
 
@@ -188,6 +205,7 @@ class MemsaveModel(MemsaveTrainStep, _Functional):
         self.memsave_checkpoints = checkpoints
 
 
+@keras.saving.register_keras_serializable(package="memsave")
 class MemsaveSequential(MemsaveTrainStep, keras.Sequential):
     """A `keras.Sequential` whose `fit` uses memsave gradients.
 
@@ -237,8 +255,7 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS):
     # builds its train function from it.
     model.train_step = memsave_train_step
     model.train_function = None
-    if getattr(model, "compiled", False) and model.jit_compile:
-        _resolve_jit_compile(True)
+    _warn_if_xla(model)
     return model
 
 
