@@ -155,10 +155,17 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
                                model_options or {}))
         result["status"] = "ok"
     except tf.errors.ResourceExhaustedError as error:
-        result.update(status="OOM", message=_first_line(error.message))
+        result.update(status="OOM", message=_oom_line(error.message))
     except memsave.MemsaveError as error:
         result.update(status="error", message=_first_line(str(error)))
     return result
+
+
+def _oom_line(text):
+    for line in str(text).splitlines():
+        if "OOM when allocating" in line:
+            return line.strip()[:200]
+    return _first_line(text)
 
 
 def _first_line(text):
@@ -218,7 +225,12 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
 
 def _child_env(memory_limit_mb):
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(measure.memory_limit_env(memory_limit_mb), PYTHONPATH=pythonpath)
+    env = dict(measure.memory_limit_env(memory_limit_mb), PYTHONPATH=pythonpath)
+    if memory_limit_mb:
+        # oneDNN's CPU kernels crash (SIGSEGV) when the capped allocator refuses them;
+        # TensorFlow's own kernels raise ResourceExhaustedError, which is reported as OOM.
+        env["TF_ENABLE_ONEDNN_OPTS"] = "0"
+    return env
 
 
 def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb, grads_path,
@@ -234,6 +246,10 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
         if measure.is_oom_failure(error):
             status = "OOM"
             message = f"child died out of memory (exit {error.returncode})"
+        elif memory_limit_mb and error.returncode is not None and error.returncode < 0:
+            status = "OOM"
+            message = (f"child crashed (signal {-error.returncode}) under the {memory_limit_mb} MB "
+                       "limit: counted as out of memory")
         else:
             status = "failed"
             tail = [line for line in error.stderr.splitlines() if line.strip()]

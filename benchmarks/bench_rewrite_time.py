@@ -1,0 +1,184 @@
+"""How long memsave.gradients takes to build its graph, against tf.gradients itself.
+
+    pytest benchmarks/bench_rewrite_time.py                 # pytest-benchmark table
+    python benchmarks/bench_rewrite_time.py [--sizes 1000,5000,20000] [--repeats 3]
+    python benchmarks/compare.py --build-time               # the same ratio table
+
+The graphs are generated `tf.compat.v1` graphs of about 1k, 5k and 20k ops: a chain
+of residual blocks `x = x + tanh(x @ W_i)` (one variable per block, so the
+gradient is taken with respect to thousands of variables as in a training step),
+with a longer skip every 8 blocks (so the 'memory' strategy meets non-chain
+structure), ending in a scalar loss. Every ceil(sqrt(blocks))-th block output is
+marked for the 'collection' strategy. Tensors are tiny: this measures graph
+construction only, nothing runs.
+
+Each timing builds a fresh graph first (not timed), then times one gradients call.
+Issue 3's target: at 20k ops memsave's build takes at most 3x tf.gradients's.
+"""
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import memsave  # noqa: E402
+
+SIZES = (1000, 5000, 20000)
+STRATEGIES = ("speed", "memory", "collection")
+METHODS = ("tf.gradients",) + STRATEGIES
+WIDTH = 16
+SKIP_EVERY = 8
+
+
+def build_graph(blocks):
+    """A fresh tf.Graph with `blocks` residual blocks; returns (graph, loss, variables)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, WIDTH], name="x")
+        mark_every = max(1, int(math.ceil(math.sqrt(max(blocks, 1)))))
+        variables = []
+        skip = x
+        for i in range(blocks):
+            with tf.name_scope(f"block{i}"):
+                w = tf.Variable(tf.zeros([WIDTH, WIDTH]), name="w")
+                variables.append(w)
+                x = x + tf.tanh(tf.matmul(x, w))
+                if (i + 1) % SKIP_EVERY == 0:
+                    x, skip = x + skip, x
+                if (i + 1) % mark_every == 0:
+                    memsave.mark_checkpoint(x)
+        loss = tf.reduce_sum(tf.square(x), name="loss")
+    return graph, loss, variables
+
+
+def _ops_per_block():
+    small, _, _ = build_graph(SKIP_EVERY)
+    empty, _, _ = build_graph(0)
+    return (len(small.get_operations()) - len(empty.get_operations())) / SKIP_EVERY
+
+
+def blocks_for(ops, _cache={}):
+    """The block count whose graph has about `ops` ops."""
+    if "per_block" not in _cache:
+        _cache["per_block"] = _ops_per_block()
+    return max(1, int(round(ops / _cache["per_block"])))
+
+
+def gradient_call(method):
+    """A callable (loss, variables) -> gradients for a method name."""
+    if method == "tf.gradients":
+        return lambda loss, xs: tf.gradients(loss, xs)
+    return lambda loss, xs: memsave.gradients(loss, xs, checkpoints=method)
+
+
+def time_build(method, blocks):
+    """(seconds for one gradients call on a fresh graph, ops in the forward graph)."""
+    graph, loss, variables = build_graph(blocks)
+    ops = len(graph.get_operations())
+    call = gradient_call(method)
+    with graph.as_default():
+        start = time.perf_counter()
+        grads = call(loss, variables)
+        elapsed = time.perf_counter() - start
+    if any(g is None for g in grads):
+        raise AssertionError(f"{method}: a variable got no gradient")
+    return elapsed, ops
+
+
+def build_time_rows(sizes=SIZES, strategies=STRATEGIES, repeats=3):
+    """One row per size: ops and the best-of-`repeats` build time per method, with ratios."""
+    rows = []
+    for size in sizes:
+        blocks = blocks_for(size)
+        row = {"target_ops": size, "blocks": blocks}
+        for method in ("tf.gradients",) + tuple(strategies):
+            times = []
+            for _ in range(repeats):
+                elapsed, row["ops"] = time_build(method, blocks)
+                times.append(elapsed)
+            row[method] = min(times)
+        for strategy in strategies:
+            row[f"{strategy} ratio"] = row[strategy] / row["tf.gradients"]
+        rows.append(row)
+        sys.stderr.write(f"build time, {row['ops']} ops: " + ", ".join(
+            f"{m} {row[m]:.2f} s" for m in ("tf.gradients",) + tuple(strategies)) + "\n")
+    return rows
+
+
+def format_rows(rows, strategies=STRATEGIES):
+    header = ["ops", "tf.gradients s"]
+    for strategy in strategies:
+        header += [f"{strategy} s", "x tf"]
+    lines = [header]
+    for row in rows:
+        line = [str(row["ops"]), f"{row['tf.gradients']:.3f}"]
+        for strategy in strategies:
+            line += [f"{row[strategy]:.3f}", f"{row[strategy + ' ratio']:.2f}"]
+        lines.append(line)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def write_csv(rows, path):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ----------------------------------------------------------------------------- pytest-benchmark
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("size", SIZES, ids=[f"{s // 1000}k_ops" for s in SIZES])
+def test_build_time(benchmark, size, method):
+    blocks = blocks_for(size)
+    call = gradient_call(method)
+
+    def setup():
+        graph, loss, variables = build_graph(blocks)
+        return (graph, loss, variables), {}
+
+    def build(graph, loss, variables):
+        with graph.as_default():
+            return call(loss, variables)
+
+    benchmark.extra_info["blocks"] = blocks
+    benchmark.group = f"{size} ops"
+    grads = benchmark.pedantic(build, setup=setup, rounds=3, iterations=1)
+    assert all(g is not None for g in grads)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                        help="comma-separated target op counts")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--repeats", type=int, default=3, help="fresh graphs per timing (best of)")
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    rows = build_time_rows(sizes, strategies, args.repeats)
+    print(format_rows(rows, strategies))
+    if args.csv:
+        write_csv(rows, args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The benchmark's parts work, on tiny configurations (no timings are asserted).
+
+Three configurations run in child processes (two for the comparison, one for the
+out-of-memory sweep); everything else runs here.
+"""
+
+import csv
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import bench_rewrite_time, compare, models  # noqa: E402
+
+TINY = {
+    "cnn": {"depth": 2, "batch": 2, "image_size": 8},
+    "mlp": {"depth": 3, "batch": 4, "width": 8},
+    "transformer": {"depth": 2, "batch": 2, "seq_len": 8, "d_model": 16, "heads": 2, "d_ff": 16,
+                    "vocab": 20},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_model_step_gives_one_gradient_per_variable(name):
+    model = models.build_model(name, seed=3, **TINY[name])
+    step = model.make_step(lambda ys, xs: tf.gradients(ys, xs))
+    loss, grads = step(*model.inputs)
+    assert math.isfinite(float(loss))
+    assert len(grads) == len(model.variables)
+    assert all(g is not None for g in grads)
+    assert len(model.block_outputs) == TINY[name]["depth"]
+    graph = step.get_concrete_function(*model.inputs).graph
+    assert graph.get_collection("checkpoints"), "marking models mark checkpoints for 'collection'"
+    assert model.marks_checkpoints
+    assert name in compare.MARKING_MODELS
+
+
+def test_models_are_seeded_identically():
+    first = models.build_model("mlp", seed=5, **TINY["mlp"])
+    second = models.build_model("mlp", seed=5, **TINY["mlp"])
+    for a, b in zip(first.variables, second.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(first.inputs[0], second.inputs[0])
+
+
+def test_keras_application_model_builds_without_download():
+    model = models.build_model("keras", batch=2, app="MobileNetV3Small", image_size=32)
+    assert not model.marks_checkpoints and "keras" not in compare.MARKING_MODELS
+    assert len(model.variables) > 50
+    assert all(isinstance(v, tf.Variable) for v in model.variables)
+    assert math.isfinite(float(model.loss(*model.inputs)))
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(ValueError, match="unknown model"):
+        models.build_model("vgg")
+
+
+def _read_csv(path):
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
+    csv_path, md_path = tmp_path / "out.csv", tmp_path / "out.md"
+    code = compare.main(["--model", "mlp", "--depth", "4", "--batch", "64", "--steps", "1",
+                         "--warmup", "0", "--strategies", "tf.gradients,memory", "--csv",
+                         str(csv_path), "--markdown", str(md_path), "--quiet"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("strategy"))
+    for column in ("peak MB", "x tf", "step ms", "max rel err", "build s"):
+        assert column in header
+    rows = _read_csv(csv_path)
+    assert [row["strategy"] for row in rows] == ["tf.gradients", "memory"]
+    for row in rows:
+        assert row["status"] == "ok", row["message"]
+        assert float(row["peak_mb"]) > 0 and float(row["step_ms"]) > 0
+        assert float(row["grad_build_s"]) > 0
+    assert float(rows[0]["peak_ratio"]) == 1.0
+    assert float(rows[1]["max_rel_err"]) <= 1e-4
+    markdown = md_path.read_text(encoding="utf-8")
+    assert "| strategy | peak MB |" in markdown and "| memory |" in markdown
+
+
+def test_sweep_records_out_of_memory_as_oom(tmp_path, capsys):
+    csv_path, png_path = tmp_path / "sweep.csv", tmp_path / "sweep.png"
+    # 12 MB holds the weights and data (4 MB) but not the step's activations (~25 MB).
+    code = compare.main(["--sweep", "--model", "mlp", "--depths", "2,4", "--batch", "4096",
+                         "--steps", "1", "--warmup", "0", "--strategies", "tf.gradients",
+                         "--memory-limit-mb", "12", "--csv", str(csv_path), "--png",
+                         str(png_path), "--quiet"])
+    assert code == 0
+    rows = _read_csv(csv_path)
+    assert [(row["depth"], row["status"]) for row in rows] == [("2", "OOM"), ("4", "OOM")]
+    assert "OOM when allocating" in rows[0]["message"]
+    assert "not run" in rows[1]["message"]
+    assert "OOM" in capsys.readouterr().out
+    if _has_matplotlib():
+        assert png_path.stat().st_size > 0
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _row(depth, strategy, status="ok", peak=10.0, ms=5.0):
+    row = {field: None for field in compare.CSV_FIELDS}
+    row.update(model="mlp", depth=depth, strategy=strategy, status=status,
+               peak_mb=peak if status == "ok" else None, step_ms=ms if status == "ok" else None)
+    return row
+
+
+def test_sweep_plot_and_text_show_each_strategy(tmp_path):
+    rows = [_row(2, "tf.gradients", peak=20), _row(2, "memory", peak=8),
+            _row(4, "tf.gradients", status="OOM"), _row(4, "memory", peak=11)]
+    text = compare.format_sweep(rows)
+    assert "OOM" in text and "11.0 / 5" in text
+    png = tmp_path / "plot.png"
+    drew = compare.plot_sweep(rows, png, memory_limit_mb=30, title="tiny")
+    assert drew == _has_matplotlib()
+    if drew:
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_shows_oom_and_failure_rows():
+    rows = [_row(None, "tf.gradients", status="OOM"), _row(None, "memory")]
+    rows[0]["message"] = "OOM when allocating tensor"
+    text = compare.format_table(rows)
+    assert "OOM" in text.splitlines()[2]
+    assert "tf.gradients: OOM when allocating tensor" in text
+
+
+def test_relative_error_compares_saved_gradients(tmp_path):
+    reference, other = tmp_path / "a.npz", tmp_path / "b.npz"
+    np.savez(reference, g0000=np.array([1.0, -2.0]), g0001=np.array([4.0]))
+    np.savez(other, g0000=np.array([1.0, -2.2]), g0001=np.array([4.0]))
+    assert compare._max_relative_error(other, reference) == pytest.approx(0.1)
+
+
+def test_build_time_rows_on_a_small_generated_graph():
+    rows = bench_rewrite_time.build_time_rows([60], strategies=("memory",), repeats=1)
+    assert rows[0]["ops"] > 30
+    assert rows[0]["tf.gradients"] > 0 and rows[0]["memory ratio"] > 0
+    assert "memory s" in bench_rewrite_time.format_rows(rows, ("memory",))
+
+
+def test_benchmark_files_are_not_collected_by_the_test_suite():
+    assert not os.path.basename(bench_rewrite_time.__file__).startswith("test_")
