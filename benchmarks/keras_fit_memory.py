@@ -16,6 +16,7 @@ plain Keras'), losses (the two epochs' losses).
 """
 
 import argparse
+import concurrent.futures
 import logging
 import os
 import sys
@@ -95,21 +96,34 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
             "losses": [float(first.history["loss"][0]), float(history.history["loss"][0])]}
 
 
-def compare(strategies=("memory",), timeout=600, **sizes):
+def compare(strategies=("memory",), timeout=600, jobs=1, **sizes):
     """Plain Keras and each memsave strategy, each in its own process.
 
+    Args:
+      strategies: memsave strategies to compare with plain Keras.
+      timeout: seconds per process.
+      jobs: processes run at once (peaks are per process, so running them side by
+        side does not mix them; only wall time changes).
+      **sizes: depth, width, batch, classes.
     Returns:
       A list of rows {"config", "peak", "ratio", "losses"}; plain Keras first.
     """
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    base = measure.run_isolated(TARGET, timeout=timeout, env=env, checkpoints=None, **sizes)
-    rows = [{"config": "keras (GradientTape)", "peak": base["peak"], "ratio": 1.0,
-             "losses": base["losses"]}]
-    for strategy in strategies:
-        result = measure.run_isolated(TARGET, timeout=timeout, env=env, checkpoints=strategy,
-                                      **sizes)
-        rows.append({"config": f"memsave.keras ({strategy})", "peak": result["peak"],
-                     "ratio": result["peak"] / base["peak"], "losses": result["losses"]})
+    configs = [None] + list(strategies)
+
+    def run(checkpoints):
+        return measure.run_isolated(TARGET, timeout=timeout, env=env, checkpoints=checkpoints,
+                                    **sizes)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        results = list(pool.map(run, configs))
+    base = results[0]
+    rows = []
+    for checkpoints, result in zip(configs, results):
+        rows.append({"config": "keras (GradientTape)" if checkpoints is None
+                     else f"memsave.keras ({checkpoints})",
+                     "peak": result["peak"], "ratio": result["peak"] / base["peak"],
+                     "losses": result["losses"]})
     return rows
 
 
@@ -131,9 +145,10 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=DEFAULTS["batch"])
     parser.add_argument("--checkpoints", nargs="+", default=["memory"],
                         choices=["memory", "speed", "collection"])
+    parser.add_argument("--jobs", type=int, default=1, help="processes run at once")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    rows = compare(tuple(args.checkpoints), depth=args.depth, width=args.width,
+    rows = compare(tuple(args.checkpoints), jobs=args.jobs, depth=args.depth, width=args.width,
                    batch=args.batch)
     print(f"Keras fit step, {args.depth} x Dense({args.width}, tanh), batch {args.batch}")
     print(format_rows(rows))

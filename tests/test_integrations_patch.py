@@ -4,6 +4,7 @@ Each test compares against the unpatched tf.gradients on the same graph; the
 memory test measures peak bytes of a v1 `minimize` step in separate processes.
 """
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -313,8 +314,11 @@ def measure_v1_minimize_peak(patched, depth=DEPTH, batch=BATCH, width=WIDTH):
 
 def test_patched_minimize_saves_memory():
     target = f"{__name__}:measure_v1_minimize_peak"
-    plain = run_isolated(target, timeout=240, env=CHILD_ENV, patched=False)
-    patched = run_isolated(target, timeout=240, env=CHILD_ENV, patched=True)
+    # One process per configuration, both at once (peaks are per process).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        plain, patched = pool.map(
+            lambda patched: run_isolated(target, timeout=240, env=CHILD_ENV, patched=patched),
+            [False, True])
     np.testing.assert_allclose(patched["losses"], plain["losses"], rtol=1e-5)
     ratio = patched["peak"] / plain["peak"]
     print(f"v1 minimize peak: plain {plain['peak'] / 2**20:.1f} MiB, "
