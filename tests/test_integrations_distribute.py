@@ -6,22 +6,25 @@
   adds stays on its replica's device, and Keras `fit` with a MemsaveModel
   trains exactly like plain Keras.
 - MultiWorkerMirroredStrategy: two worker processes on localhost (TF_CONFIG)
-  train a few steps with tf.gradients and with memsave; losses match.
+  train a few steps with tf.gradients and with memsave; losses match. Both
+  workers are stopped when either fails or after a time limit.
 - A tf.compat.v1 graph built per tower under tf.device: copies keep their
   tower's device, and the gradients equal tf.gradients'.
 """
 
-import concurrent.futures
 import json
 import os
 import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsave
-from memsave.measure import IsolatedRunError, run_isolated
+from memsave.measure import run_isolated
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -284,21 +287,62 @@ def _free_ports(count):
             s.close()
 
 
-def test_multi_worker_mirrored_two_local_workers():
+_WORKER = """
+import json, sys
+import {module} as tests
+result = tests.mwms_worker(json.loads(sys.argv[1]))
+sys.stdout.write("\\nMWMS_RESULT:" + json.dumps(result) + "\\n")
+"""
+
+
+class WorkerFailed(RuntimeError):
+    """A MultiWorkerMirroredStrategy worker exited without a result."""
+
+
+def _run_two_workers(timeout=240):
+    """Starts both workers; if one fails or time runs out, stops the other too."""
     ports = _free_ports(2)
     cluster = {"worker": [f"localhost:{port}" for port in ports]}
-    configs = [{"cluster": cluster, "task": {"type": "worker", "index": i}} for i in range(2)]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(run_isolated, f"{MODULE}:mwms_worker", timeout=240,
-                               env=dict(CHILD_ENV, TF_CONFIG=json.dumps(config)), tf_config=config)
-                   for config in configs]
+    procs = []
+    try:
+        for index in range(2):
+            config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            env = dict(os.environ, **CHILD_ENV, TF_CONFIG=json.dumps(config),
+                       TF_CPP_MIN_LOG_LEVEL="2")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", _WORKER.format(module=MODULE), json.dumps(config)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for index, p in enumerate(procs):
+        out, err = p.communicate()
+        lines = [line for line in out.splitlines() if line.startswith("MWMS_RESULT:")]
+        if p.returncode != 0 or not lines:
+            raise WorkerFailed(f"worker {index} exited {p.returncode} without a result "
+                               f"(timeout {timeout}s):\n{err[-3000:]}")
+        results.append(json.loads(lines[-1][len("MWMS_RESULT:"):]))
+    return results
+
+
+def test_multi_worker_mirrored_two_local_workers():
+    # The free ports are picked, then released for the workers to bind: another
+    # process may take one in between, so a port clash gets one more try.
+    for attempt in range(2):
         try:
-            results = [f.result(timeout=270) for f in futures]
-        except (IsolatedRunError, concurrent.futures.TimeoutError) as error:
-            text = str(error)
-            if "Address already in use" in text or "Could not start gRPC server" in text:
-                pytest.skip(f"localhost gRPC ports unavailable: {text[-300:]}")
-            raise
+            results = _run_two_workers()
+            break
+        except WorkerFailed as error:
+            clash = "Address already in use" in str(error) or "gRPC server" in str(error)
+            if not clash or attempt == 1:
+                raise
     for result in results:
         assert result["plain_memsave_ops"] == 0 and result["memsave_ops"] > 0, result
         np.testing.assert_allclose(result["memsave"], result["plain"], rtol=1e-5)

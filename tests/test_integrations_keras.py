@@ -11,10 +11,8 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import memsave
-from memsave.measure import run_isolated
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
