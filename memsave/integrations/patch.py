@@ -44,7 +44,7 @@ _MODULE_SITES = ("tensorflow.python.ops.gradients",)  # what v1 optimizers call
 _ATTRIBUTE = "gradients"
 
 _lock = threading.RLock()
-# The active patches, innermost last; each entry is (Patch, checkpoints).
+# The active patches, innermost last; each entry is (entry token, checkpoints).
 _active = []
 # While any patch is active: the saved attribute slots, in the order they were
 # patched. Each is (owner, present, value): owner's __dict__ had the attribute
