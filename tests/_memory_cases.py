@@ -41,7 +41,7 @@ def chain(mode, n=100, residual=False, mark_every=10):
     return _measure(step, x)
 
 
-def deep_mlp(mode, layers=36, batch=4096, width=256):
+def deep_mlp(mode, layers=48, batch=4096, width=256):
     """A deep tanh MLP with variables, in tf.function; gradients w.r.t. all weights."""
     rng = np.random.RandomState(0)
     weights = [tf.Variable((rng.standard_normal([width, width]) / np.sqrt(width)).astype(np.float32))
