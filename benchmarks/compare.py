@@ -9,15 +9,20 @@ Every configuration (model, depth, strategy) runs in a fresh Python process
 (`memsave.measure.run_isolated`) with TensorFlow's BFC allocator on, so peaks do
 not mix. In that process: build the model (seeded: the same weights and data in
 every process), trace the training step, run it once (Grappler and executor
-setup), `--warmup` more times, then `--steps` timed steps while the allocator
-records its peak. The gradients of the first step are saved and compared, in the
-parent, with tf.gradients's from its own process.
+setup), `--warmup` more times, then two steps while the allocator records its
+peak. The gradients of the first step are saved and compared, in the parent,
+with tf.gradients's from its own process. Then the timing: a memsave strategy's
+process also builds the plain tf.gradients step (after the peak was taken) and
+runs the two alternately for `--steps` rounds, so that load from other processes
+on shared cores hits both alike (`--no-paired`: time each process alone).
 
 Columns of the table:
-  peak MB     the allocator's peak during the timed steps (GPU:0 when a GPU is
-              present, else CPU), including weights, data and gradients;
-  x tf        that peak, and the step time, divided by tf.gradients's;
+  peak MB     the allocator's peak during a step (GPU:0 when a GPU is present,
+              else CPU), including weights, data and gradients;
+  x tf        that peak divided by tf.gradients's (from its own process);
   step ms     median wall time of one step (forward, loss, gradients);
+  x tf        median over the rounds of (this step / tf.gradients's step), timed
+              side by side in the same process;
   max rel err max over variables of max|g - g_tf| / max|g_tf|;
   build s     seconds spent inside the gradient function while tracing
               (tf.gradients itself, or memsave's whole rewrite);
@@ -51,12 +56,14 @@ MARKING_MODELS = ("cnn", "mlp", "transformer")
 DEFAULT_SWEEP_DEPTHS = {"cnn": (3, 6, 12, 24, 48), "mlp": (8, 16, 32, 64, 128),
                         "transformer": (2, 4, 8, 16, 32), "keras": (0,)}
 CHILD_TARGET = "benchmarks.compare:measure_config"
+MEMORY_STEPS = 2  # steps over which the peak is taken
 
 TABLE_COLUMNS = ("strategy", "peak MB", "x tf", "step ms", "x tf", "max rel err", "build s",
                  "ckpts")
 CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_ratio",
-              "resting_mb", "step_ms", "time_ratio", "max_rel_err", "grad_build_s", "trace_s",
-              "first_call_s", "checkpoints", "graph_ops", "device", "message")
+              "resting_mb", "step_ms", "time_ratio", "paired_base_step_ms",
+              "time_ratio_separate", "max_rel_err", "grad_build_s", "trace_s", "first_call_s",
+              "checkpoints", "copied_ops", "graph_ops", "device", "message")
 
 
 # ----------------------------------------------------------------------------- child side
@@ -137,8 +144,16 @@ def _gradient_arrays(grads):
 
 
 def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps=5, warmup=2,
-                   seed=0, grads_path=None, memory_limit_mb=None, model_options=None):
+                   seed=0, grads_path=None, memory_limit_mb=None, model_options=None,
+                   paired=True):
     """One configuration, measured in the current (fresh) process; returns a JSON-able dict.
+
+    Order: build and trace the step, run it once (its gradients are saved to
+    `grads_path`), `warmup` more times, then MEMORY_STEPS steps while the allocator
+    records its peak. Only then, with paired=True and a memsave strategy, a plain
+    tf.gradients step is built in the same process and the two are timed
+    alternately for `steps` rounds (step_s, paired_base_step_s, paired_ratio);
+    otherwise `steps` steps are timed alone (step_s: their median).
 
     Out of memory (ResourceExhaustedError, e.g. under `memory_limit_mb`) is a result:
     {"status": "OOM", ...}; so is a memsave refusal ({"status": "error", ...}).
@@ -152,7 +167,7 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
     result = {"model": model, "strategy": strategy, "device": measure.device_description()}
     try:
         result.update(_measure(model, depth, batch, strategy, steps, warmup, seed, grads_path,
-                               model_options or {}))
+                               model_options or {}, paired))
         result["status"] = "ok"
     except tf.errors.ResourceExhaustedError as error:
         result.update(status="OOM", message=_oom_line(error.message))
@@ -172,7 +187,8 @@ def _first_line(text):
     return next((line.strip() for line in str(text).splitlines() if line.strip()), "")[:300]
 
 
-def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path, model_options):
+def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path, model_options,
+             paired):
     import numpy as np
     import tensorflow as tf
 
@@ -213,11 +229,29 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
 
     for _ in range(warmup):
         run_step()
+    # Memory first, before anything else is built in this process.
     tf.config.experimental.reset_memory_stats(device)
     out["resting_bytes"] = tf.config.experimental.get_memory_info(device)["current"]
-    peak, step_s = measure.peak_memory_bytes(
-        lambda: measure.time_calls(run_step, repeats=steps, warmup=0), device)
-    out.update(peak_bytes=peak, step_s=step_s, memory_device=device)
+    peak, _ = measure.peak_memory_bytes(
+        lambda: measure.time_each_call(run_step, repeats=MEMORY_STEPS, warmup=0), device)
+    out.update(peak_bytes=peak, memory_device=device)
+
+    if not paired or strategy == BASELINE:
+        out["step_s"] = measure.time_calls(run_step, repeats=steps, warmup=0)
+        return out
+    # Time side by side with tf.gradients on the same weights and data, alternating.
+    base_step = model.make_step(lambda ys, xs: tf.gradients(ys, xs))
+
+    def run_base():
+        base_step(*inputs)
+        measure.sync_devices()
+
+    try:
+        out["step_s"], out["paired_base_step_s"], out["paired_ratio"] = measure.time_paired(
+            run_step, run_base, repeats=steps, warmup=1)
+    except tf.errors.ResourceExhaustedError:
+        out["message"] = "tf.gradients does not fit beside it under the limit: timed alone"
+        out["step_s"] = measure.time_calls(run_step, repeats=steps, warmup=0)
     return out
 
 
@@ -234,14 +268,15 @@ def _child_env(memory_limit_mb):
 
 
 def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb, grads_path,
-            model_options=None, timeout=900):
+            model_options=None, timeout=900, paired=True):
     """Runs measure_config in its own process; a crash or kill becomes a result row too."""
     started = time.perf_counter()
     try:
         result = measure.run_isolated(
             CHILD_TARGET, timeout=timeout, env=_child_env(memory_limit_mb), model=model,
             depth=depth, batch=batch, strategy=strategy, steps=steps, warmup=warmup, seed=seed,
-            grads_path=grads_path, memory_limit_mb=memory_limit_mb, model_options=model_options)
+            grads_path=grads_path, memory_limit_mb=memory_limit_mb, model_options=model_options,
+            paired=paired)
     except measure.IsolatedRunError as error:
         if measure.is_oom_failure(error):
             status = "OOM"
@@ -286,12 +321,12 @@ def default_strategies(model):
 
 
 def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmup=2, seed=0,
-            memory_limit_mb=None, model_options=None, rounds=1, timeout=900, baseline=True):
+            memory_limit_mb=None, model_options=None, timeout=900, baseline=True, paired=True):
     """Measures every strategy (tf.gradients first) in its own process; returns table rows.
 
-    With rounds > 1 the whole list runs that many times, interleaved, and each row
-    keeps its lowest step time (least disturbed by other load) and highest peak.
-    baseline=False leaves tf.gradients out (no ratios or errors then).
+    baseline=False leaves tf.gradients out (no peak ratios or errors then).
+    paired=True times each memsave strategy side by side with tf.gradients in its
+    process (see measure_config); the time ratio is then the paired one.
     """
     strategies = [s for s in (strategies or default_strategies(model)) if s != BASELINE]
     if baseline:
@@ -299,28 +334,13 @@ def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmu
     results = {}
     with tempfile.TemporaryDirectory(prefix="memsave-bench-") as scratch:
         paths = {s: os.path.join(scratch, f"grads_{i}.npz") for i, s in enumerate(strategies)}
-        total = len(strategies) * rounds
-        done = 0
-        for round_index in range(rounds):
-            for strategy in strategies:
-                result = run_one(model, depth, batch, strategy, steps, warmup, seed,
-                                 memory_limit_mb, paths[strategy], model_options, timeout)
-                done += 1
-                _log_progress(done, total, model, depth, result)
-                results[strategy] = _merge_rounds(results.get(strategy), result)
+        for done, strategy in enumerate(strategies, 1):
+            result = run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
+                             paths[strategy], model_options, timeout, paired)
+            _log_progress(done, len(strategies), model, depth, result)
+            results[strategy] = result
         rows = _rows(results, strategies, paths)
     return rows
-
-
-def _merge_rounds(previous, result):
-    if previous is None or previous.get("status") != "ok":
-        return result
-    if result.get("status") != "ok":
-        return previous
-    merged = dict(previous)
-    merged["step_s"] = min(previous["step_s"], result["step_s"])
-    merged["peak_bytes"] = max(previous["peak_bytes"], result["peak_bytes"])
-    return merged
 
 
 def _log_progress(done, total, model, depth, result):
@@ -350,9 +370,16 @@ def _rows(results, strategies, paths):
             row["peak_mb"] = result["peak_bytes"] / 2**20
             row["resting_mb"] = result["resting_bytes"] / 2**20
             row["step_ms"] = result["step_s"] * 1e3
+            if result.get("paired_ratio") is not None:
+                row["time_ratio"] = result["paired_ratio"]
+                row["paired_base_step_ms"] = result["paired_base_step_s"] * 1e3
+            elif strategy == BASELINE:
+                row["time_ratio"] = 1.0
             if base_ok:
                 row["peak_ratio"] = result["peak_bytes"] / base["peak_bytes"]
-                row["time_ratio"] = result["step_s"] / base["step_s"]
+                row["time_ratio_separate"] = result["step_s"] / base["step_s"]
+                if row["time_ratio"] is None:
+                    row["time_ratio"] = row["time_ratio_separate"]
                 if os.path.exists(paths[strategy]) and os.path.exists(paths[BASELINE]):
                     row["max_rel_err"] = _max_relative_error(paths[strategy], paths[BASELINE])
                 if result.get("weights_checksum") != base.get("weights_checksum"):
@@ -434,7 +461,7 @@ def _title(rows, args_line):
 # ----------------------------------------------------------------------------- sweep
 
 def sweep(model="cnn", depths=None, strategies=None, batch=None, steps=3, warmup=1, seed=0,
-          memory_limit_mb=None, model_options=None, timeout=900):
+          memory_limit_mb=None, model_options=None, timeout=900, paired=True):
     """compare() at every depth; a strategy that ran out of memory is not retried deeper."""
     depths = list(depths or DEFAULT_SWEEP_DEPTHS[model])
     strategies = list(strategies or default_strategies(model))
@@ -448,7 +475,7 @@ def sweep(model="cnn", depths=None, strategies=None, batch=None, steps=3, warmup
         rows = []
         if to_run:
             rows = compare(model, depth, batch, to_run, steps, warmup, seed, memory_limit_mb,
-                           model_options, 1, timeout, baseline=BASELINE in to_run)
+                           model_options, timeout, baseline=BASELINE in to_run, paired=paired)
         for strategy in strategies:
             if strategy in out_of_memory_at:
                 row = {field: None for field in CSV_FIELDS}
@@ -549,8 +576,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=None, help="batch size; default per model")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="repeat the whole comparison, interleaved; keep each row's best time")
+    parser.add_argument("--no-paired", action="store_true",
+                        help="time each configuration alone in its process (ratios across "
+                             "processes) instead of alternating with tf.gradients in the same one")
     parser.add_argument("--strategies", default=None,
                         help="comma-separated, from tf.gradients, speed, memory, collection, "
                              "every:K (explicit list: every K-th block output); default: all "
@@ -605,7 +633,8 @@ def main(argv=None):
     if args.sweep:
         depths = _parse_list(args.depths, int)
         rows = sweep(args.model, depths, strategies, args.batch, args.steps, args.warmup,
-                     args.seed, args.memory_limit_mb, model_options, args.timeout)
+                     args.seed, args.memory_limit_mb, model_options, args.timeout,
+                     paired=not args.no_paired)
         print(format_sweep(rows))
         csv_path = args.csv or f"benchmarks/results/sweep_{args.model}.csv"
         write_csv(rows, csv_path)
@@ -619,7 +648,8 @@ def main(argv=None):
         return 0
 
     rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
-                   args.seed, args.memory_limit_mb, model_options, args.rounds, args.timeout)
+                   args.seed, args.memory_limit_mb, model_options, args.timeout,
+                   paired=not args.no_paired)
     title = _title(rows, command)
     print(title)
     print(format_table(rows))

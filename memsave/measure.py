@@ -181,6 +181,12 @@ def peak_memory_bytes(fn, device=None):
 
 def time_calls(fn, repeats=5, warmup=1):
     """Median wall time of `fn()` in seconds, after `warmup` untimed calls."""
+    times = sorted(time_each_call(fn, repeats, warmup))
+    return times[len(times) // 2]
+
+
+def time_each_call(fn, repeats=5, warmup=1):
+    """Wall time of each of `repeats` calls of `fn()` in seconds, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -188,5 +194,30 @@ def time_calls(fn, repeats=5, warmup=1):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    return times
+
+
+def time_paired(fn, reference, repeats=5, warmup=1):
+    """Times `fn()` and `reference()` side by side, alternating, so load affects both alike.
+
+    Each round calls both, in alternating order (fn first on even rounds), so a
+    slow drift in machine load (other processes on shared cores) cancels out in
+    the ratio.
+
+    Returns:
+      (median time of fn, median time of reference, median of the per-round
+      ratios fn/reference), in seconds.
+    """
+    for _ in range(warmup):
+        fn()
+        reference()
+    mine, theirs = [], []
+    for round_index in range(repeats):
+        order = ((fn, mine), (reference, theirs))
+        for call, times in (order if round_index % 2 == 0 else order[::-1]):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+    ratios = sorted(a / b for a, b in zip(mine, theirs))
+    return (sorted(mine)[len(mine) // 2], sorted(theirs)[len(theirs) // 2],
+            ratios[len(ratios) // 2])
