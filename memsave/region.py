@@ -99,8 +99,11 @@ class ForwardRegion:
         for op in on_path:
             if op in x_ops:
                 # on_path is seeded with the xs' consumers, so an x op in it
-                # depends on another x.
+                # depends on another x. It is never copied, but it is on the
+                # path: its other outputs (e.g. the other halves of a split)
+                # carry gradient to the xs upstream of it, so it is kept.
                 dependent_x_ops.append(op)
+                kept.append((op, "it computes one of the xs"))
                 continue
             reason = why_not_recomputable(op)
             if reason is None:

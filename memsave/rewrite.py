@@ -299,8 +299,8 @@ class _Rewrite:
                 if not self.region.is_x(t) and t not in self.checkpoints and t not in self.options.stop]
         # An x computed from another x passes its gradient on to that x (as in
         # tf.gradients); as a y of the final call its result is its own total.
-        inner_xs = [t for t in self.pending.keys()
-                    if t.op in self.region.dependent_x_ops and t not in self.options.stop]
+        inner_xs = [t for t in self.pending.keys() if self.region.is_x(t)
+                    and t.op in self.region.dependent_x_ops and t not in self.options.stop]
         if kept or inner_xs:
             through_kept = _tf_gradients(
                 kept + inner_xs, self.xs,
