@@ -4,6 +4,7 @@ Everything here runs before the first op is created, so bad input never leaves
 the user's graph half-rewritten.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from memsave.errors import MemsaveError
@@ -90,7 +91,52 @@ def normalise_grad_ys(grad_ys, ys):
     grad_ys = _as_list(grad_ys, "grad_ys")
     if len(grad_ys) != len(ys):
         raise MemsaveError(f"got {len(grad_ys)} grad_ys for {len(ys)} ys; pass one per y (or None)")
+    for i, (g, y) in enumerate(zip(grad_ys, ys)):
+        if g is not None:
+            _check_grad_y(g, y, i)
     return grad_ys
+
+
+def _check_grad_y(g, y, i):
+    # tf.gradients would fail on these only deep inside a segment, after copies exist.
+    if isinstance(g, (tf.Tensor, tf.Variable)) and not _tf_private.is_eager_tensor(g):
+        if g.graph is not y.graph:
+            raise MemsaveError(f"grad_ys[{i}] ({g.name}) belongs to another graph than ys[{i}]; "
+                               "build grad_ys in the graph of the ys")
+        dtype, shape = g.dtype.base_dtype, g.shape
+    else:
+        # A Python number (converted to y's dtype), a numpy array or an eager tensor.
+        value = np.asarray(g.numpy() if _tf_private.is_eager_tensor(g) else g)
+        if value.dtype.kind not in "fiuc":
+            raise MemsaveError(f"grad_ys[{i}] is a {type(g).__name__}, not a tensor; pass a tensor "
+                               f"of the shape and dtype of ys[{i}] ({y.name}), or None")
+        python_number = isinstance(g, (int, float)) and not isinstance(g, np.generic)
+        dtype = None if python_number else tf.as_dtype(value.dtype)
+        shape = tf.TensorShape(value.shape)
+    if dtype is not None and dtype != y.dtype.base_dtype:
+        raise MemsaveError(f"grad_ys[{i}] has dtype {dtype.name} but ys[{i}] ({y.name}) is "
+                           f"{y.dtype.base_dtype.name}; cast it, e.g. "
+                           f"tf.cast(grad_y, tf.{y.dtype.base_dtype.name})")
+    if not shape.is_compatible_with(y.shape):
+        raise MemsaveError(f"grad_ys[{i}] has shape {shape} but ys[{i}] ({y.name}) has shape "
+                           f"{y.shape}; pass a gradient of the y's shape (or None for ones)")
+
+
+def normalise_stop_gradients(stop_gradients, graph):
+    """Returns the stop_gradients argument as a list of graph tensors of `graph`."""
+    if stop_gradients is None:
+        return []
+    result = []
+    for i, t in enumerate(_as_list(stop_gradients, "stop_gradients")):
+        if _is_variable(t):
+            t = _tf_private.graph_tensor_of_variable(t, graph)
+        else:
+            _check_graph_tensor(t, f"stop_gradients[{i}]")
+        if t.graph is not graph:
+            raise MemsaveError(f"stop_gradients[{i}] ({t.name}) belongs to another graph than ys; "
+                               "pass tensors of the graph being differentiated")
+        result.append(t)
+    return result
 
 
 def _tensor_by_name(name, graph, index):

@@ -32,6 +32,7 @@ from memsave.graph import _tf_private
 from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops
 from memsave.graph.transform import copy_with_input_replacements
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion, estimated_bytes
+from memsave.strategies import Choice
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     xs = inputs.normalise_xs(xs, graph)
     grad_ys = inputs.normalise_grad_ys(grad_ys, ys)
     strategy, strategy_name = inputs.resolve_strategy(checkpoints, graph)
-    options = _Options(kwargs)
+    options = _Options(kwargs, graph)
     with graph.as_default():
         region = ForwardRegion.build(ys, xs)
         if not any(region.is_connected(x) for x in xs):
@@ -136,7 +137,7 @@ def plan(ys, xs, checkpoints="collection"):
 class _Options:
     """The tf.gradients keyword arguments, split by how the rewrite uses them."""
 
-    def __init__(self, kwargs):
+    def __init__(self, kwargs, graph):
         unknown = set(kwargs) - set(_PASSED_THROUGH) - {"stop_gradients", "unconnected_gradients",
                                                         "name"}
         if unknown:
@@ -145,16 +146,20 @@ class _Options:
                                "stop_gradients, unconnected_gradients, name")
         self.passed = {k: kwargs[k] for k in _PASSED_THROUGH if k in kwargs}
         self.passed.setdefault("colocate_gradients_with_ops", True)
-        self.stop = TensorSet(inputs._as_list(kwargs.get("stop_gradients") or [], "stop_gradients"))
+        self.stop = TensorSet(inputs.normalise_stop_gradients(kwargs.get("stop_gradients"), graph))
         unconnected = kwargs.get("unconnected_gradients", tf.UnconnectedGradients.NONE)
-        self.unconnected = tf.UnconnectedGradients(unconnected)
+        try:
+            self.unconnected = tf.UnconnectedGradients(unconnected)
+        except ValueError as error:
+            raise MemsaveError(f"unconnected_gradients is {unconnected!r}; expected 'none' or "
+                               "'zero' (tf.UnconnectedGradients.NONE or .ZERO)") from error
         self.name = kwargs.get("name") or "memsave"
 
 
 def _select_checkpoints(choices, region):
     """Step 2: keeps region tensors, dropping xs, ys and tensors that cannot be segment ends."""
     kept, dropped, seen = [], [], TensorSet()
-    for choice in choices:
+    for choice in _as_choices(choices, region):
         t = choice.tensor
         if t in seen:
             continue
@@ -179,6 +184,26 @@ def _select_checkpoints(choices, region):
     return kept, dropped
 
 
+def _as_choices(choices, region):
+    """A strategy's result as Choices; custom strategies may also return plain tensors."""
+    graph = region.ys[0].graph
+    allowed = ("a strategy returns a list of memsave.strategies.Choice(tensor, reason) or of "
+               "graph tensors of the graph being differentiated")
+    if isinstance(choices, (tf.Tensor, str)) or not hasattr(choices, "__iter__"):
+        raise MemsaveError(f"the checkpoint strategy returned a {type(choices).__name__}; {allowed}")
+    result = []
+    for i, item in enumerate(choices):
+        t = item.tensor if isinstance(item, Choice) else item
+        if not isinstance(t, tf.Tensor) or _tf_private.is_eager_tensor(t):
+            raise MemsaveError(f"the checkpoint strategy returned a {type(t).__name__} at position "
+                               f"{i}; {allowed}")
+        if t.graph is not graph:
+            raise MemsaveError(f"the checkpoint strategy returned {t.name}, a tensor of another "
+                               f"graph, at position {i}; {allowed}")
+        result.append(item if isinstance(item, Choice) else Choice(t, "chosen by a custom strategy"))
+    return result
+
+
 def _no_checkpoints_message(strategy_name, region):
     if strategy_name == "collection":
         hint = ("mark tensors with memsave.mark_checkpoint(t), pass checkpoints='memory', "
@@ -193,7 +218,11 @@ class _Rewrite:
     """One rewrite: the segments, and the gradient contributions between them."""
 
     def __init__(self, ys, xs, grad_ys, region, checkpoints, options, report):
-        self.ys, self.xs, self.grad_ys = ys, xs, grad_ys
+        self.ys, self.xs = ys, xs
+        # grad_ys may be Python numbers or numpy arrays (checked by memsave.inputs).
+        self.grad_ys = None if grad_ys is None else [
+            None if g is None else tf.convert_to_tensor(g, dtype=y.dtype.base_dtype)
+            for g, y in zip(grad_ys, ys)]
         self.region = region
         self.checkpoints = TensorSet(checkpoints)
         self.options = options

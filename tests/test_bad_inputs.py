@@ -1,0 +1,281 @@
+"""Bad input gets memsave.MemsaveError, with a message naming the problem and the fix,
+and leaves the user's graph exactly as it was (same op count); checkpoints equal
+to an x or a y, or off the path, are dropped with a MemsaveWarning; the same graph
+rewritten twice gives the same GraphDef.
+
+The cases here are the ones listed in the README's Troubleshooting table.
+"""
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave.strategies import Choice
+
+from _gradcheck import assert_same_gradients, evaluate
+
+KINDS = ["v1", "function"]
+X = np.random.RandomState(0).uniform(-1, 1, [4, 3]).astype(np.float32)
+
+
+def _model(inputs):
+    """x -> h -> c -> y, plus an int tensor and an unrelated tensor."""
+    x = inputs["x"]
+    w = tf.constant(np.eye(3, dtype=np.float32) * 0.5)
+    h = tf.tanh(tf.matmul(x, w), name="h")
+    c = tf.sin(h, name="c")
+    y = tf.reduce_sum(c * h, name="y")
+    unrelated = tf.cos(tf.ones([3]), name="unrelated")
+    return {"x": x, "w": w, "h": h, "c": c, "y": y, "count": tf.size(x, name="count"),
+            "unrelated": unrelated, "loss_of_unrelated": tf.reduce_sum(unrelated),
+            "one_float64": tf.constant(1.0, tf.float64)}
+
+
+def assert_refused(kind, call, match):
+    """`call(tensors)` must raise MemsaveError matching `match`, adding no op.
+
+    Returns:
+      The error message.
+    """
+    messages = []
+
+    def body(graph, inputs):
+        t = _model(inputs)
+        before = len(graph.get_operations())
+        with pytest.raises(memsave.MemsaveError) as info:
+            call(t)
+        after = len(graph.get_operations())
+        assert after == before, f"{after - before} ops were added before the error"
+        messages.append(str(info.value))
+        return {"y": t["y"]}
+
+    evaluate(kind, body, {"x": X})
+    message = messages[0]
+    assert message.startswith("memsave: "), message
+    assert re.search(match, message), f"{match!r} not in {message!r}"
+    return message
+
+
+def _other_graph_tensor():
+    with tf.Graph().as_default():
+        return tf.constant(1.0, name="elsewhere")
+
+
+# Each case: (id, call, pattern the message must match: the bad value and the fix).
+CASES = [
+    ("unknown_strategy",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints="fastest"),
+     r"unknown checkpoints strategy 'fastest'.*'collection', 'memory', 'speed'"),
+    ("checkpoint_from_another_graph",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=[t["h"], _other_graph_tensor()]),
+     r"checkpoints\[1\] \(elsewhere:0\) belongs to another graph; pass tensors of the graph"),
+    ("checkpoint_name_that_does_not_exist",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=["no_such_op:0"]),
+     r"checkpoints\[0\] names 'no_such_op:0', which is not a tensor of this graph; pass tensor "
+     r"objects or full names"),
+    ("checkpoint_name_malformed",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=["h:first"]),
+     r"checkpoints\[0\] names 'h:first'"),
+    ("ys_independent_of_xs",
+     lambda t: memsave.gradients(t["loss_of_unrelated"], t["x"], checkpoints="memory"),
+     r"none of the ys depends on any of the xs; check that the loss is computed from"),
+    ("integer_ys",
+     lambda t: memsave.gradients(t["count"], t["x"]),
+     r"ys\[0\] \(count:0\) has dtype int32; gradients need floating-point ys: cast it"),
+    ("empty_xs",
+     lambda t: memsave.gradients(t["y"], []),
+     r"xs is empty; pass the tensors or variables"),
+    ("empty_ys",
+     lambda t: memsave.gradients([], t["x"]),
+     r"ys is empty; pass the tensor"),
+    ("xs_as_tensor_names",
+     lambda t: memsave.gradients(t["y"], [t["x"].name]),
+     r"xs\[0\] is a str, not a graph tensor; pass tf.Tensor objects"),
+    ("xs_as_numpy",
+     lambda t: memsave.gradients(t["y"], [t["x"], np.ones(3)]),
+     r"xs\[1\] is a ndarray, not a graph tensor"),
+    ("xs_none",
+     lambda t: memsave.gradients(t["y"], None),
+     r"xs\[0\] is a NoneType, not a graph tensor"),
+    ("xs_as_op",
+     lambda t: memsave.gradients(t["y"], [t["x"].op]),
+     r"xs\[0\] is a Operation, not a graph tensor"),
+    ("xs_as_set",
+     lambda t: memsave.gradients(t["y"], {"a": t["x"]}),
+     r"xs is a dict; pass a tensor or a list/tuple"),
+    ("xs_from_another_graph",
+     lambda t: memsave.gradients(t["y"], [_other_graph_tensor()]),
+     r"xs\[0\] \(elsewhere:0\) belongs to another graph than ys"),
+    ("checkpoints_list_of_numbers",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=[1, 2]),
+     r"checkpoints\[0\] is a int; a checkpoint list holds graph tensors or tensor names"),
+    ("checkpoints_list_of_ops",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=[t["h"].op]),
+     r"checkpoints\[0\] is a Operation; a checkpoint list holds graph tensors"),
+    ("checkpoints_single_tensor",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=t["h"]),
+     r"checkpoints is a \w*Tensor; expected a list of tensors \(or tensor names\) or one of"),
+    ("checkpoints_none",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=None),
+     r"checkpoints is a NoneType; expected a list of tensors"),
+    ("checkpoints_dict",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints={"h": t["h"]}),
+     r"checkpoints is a dict; expected a list of tensors"),
+    ("strategy_callable_returning_garbage",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=lambda region: ["h", 3]),
+     r"the checkpoint strategy returned a str at position 0; a strategy returns a list of "
+     r"memsave.strategies.Choice"),
+    ("strategy_callable_returning_none",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints=lambda region: None),
+     r"the checkpoint strategy returned a NoneType"),
+    ("unexpected_kwarg",
+     lambda t: memsave.gradients(t["y"], t["x"], checkpoints="memory", colocate=True),
+     r"unexpected keyword argument\(s\) \['colocate'\]; memsave.gradients accepts tf.gradients' own"),
+    ("grad_ys_count",
+     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=[None, None]),
+     r"got 2 grad_ys for 1 ys; pass one per y"),
+    ("grad_ys_shape",
+     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=[np.ones([2], np.float32)],
+                                 checkpoints=[t["h"]]),
+     r"grad_ys\[0\] has shape \(2,\) but ys\[0\] \(y:0\) has shape \(\); pass a gradient of the "
+     r"y's shape"),
+    ("grad_ys_dtype",
+     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=[t["one_float64"]],
+                                 checkpoints=[t["h"]]),
+     r"grad_ys\[0\] has dtype float64 but ys\[0\] \(y:0\) is float32; cast it"),
+    ("grad_ys_numpy_dtype",
+     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=[np.float64(1.0)], checkpoints=[t["h"]]),
+     r"grad_ys\[0\] has dtype float64 but ys\[0\] \(y:0\) is float32; cast it"),
+    ("grad_ys_string",
+     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=["one"], checkpoints=[t["h"]]),
+     r"grad_ys\[0\] is a str, not a tensor"),
+    ("stop_gradients_not_tensors",
+     lambda t: memsave.gradients(t["y"], t["x"], stop_gradients=[1.0], checkpoints=[t["h"]]),
+     r"stop_gradients\[0\] is a float, not a graph tensor"),
+    ("unconnected_gradients_unknown",
+     lambda t: memsave.gradients(t["y"], t["x"], unconnected_gradients="zeros",
+                                 checkpoints=[t["h"]]),
+     r"unconnected_gradients is 'zeros'; expected 'none' or 'zero'"),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("call,match", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_and_the_graph_is_unchanged(kind, call, match):
+    assert_refused(kind, call, match)
+
+
+def test_eager_tensors_outside_any_graph():
+    x = tf.constant(X)
+    y = tf.reduce_sum(tf.tanh(x))
+    with pytest.raises(memsave.MemsaveError, match=r"called eagerly, outside any graph; memsave "
+                       r"rewrites graphs, so it needs graph tensors: build the step inside "
+                       r"tf.function"):
+        memsave.gradients(y, x)
+
+
+def test_eager_tensors_inside_a_tf_function():
+    eager = tf.constant(X)
+    assert_refused("function", lambda t: memsave.gradients(t["y"], [eager]),
+                   r"xs\[0\] is an eager tensor; memsave rewrites graphs")
+    assert_refused("function", lambda t: memsave.gradients(t["y"], t["x"], checkpoints=[eager]),
+                   r"checkpoints\[0\] is a EagerTensor; a checkpoint list holds graph tensors")
+
+
+def test_ys_from_two_graphs():
+    def call(t):
+        memsave.gradients([t["y"], _other_graph_tensor()], t["x"])
+    assert_refused("v1", call, r"ys\[1\] \(elsewhere:0\) belongs to another graph than ys\[0\]")
+
+
+def test_memsave_error_is_a_value_error():
+    # Code that caught tf.gradients' ValueErrors keeps working.
+    assert issubclass(memsave.MemsaveError, ValueError)
+
+
+# -- checkpoints dropped with a warning -------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("which,why", [("x", "it is one of the xs"), ("y", "it is one of the ys"),
+                                       ("unrelated", "it is not on a path from the xs to the ys")])
+def test_checkpoints_equal_to_xs_ys_or_off_path_are_dropped_with_a_warning(kind, which, why):
+    def body(graph, inputs):
+        t = _model(inputs)
+        reference = tf.compat.v1.gradients(t["y"], t["x"])
+        with pytest.warns(memsave.MemsaveWarning,
+                          match=re.escape(f"checkpoint {t[which].name} dropped: {why}")):
+            got = memsave.gradients(t["y"], t["x"], checkpoints=[t[which], t["h"]])
+        report = memsave.last_report()
+        assert [c.name for c in report.checkpoints] == [t["h"].name]
+        assert report.dropped == [(t[which].name, why)]
+        return {"expected": reference, "got": got}
+    values = evaluate(kind, body, {"x": X})
+    assert_same_gradients(values["expected"], values["got"])
+
+
+def test_a_custom_strategy_may_return_tensors_or_choices():
+    def body(graph, inputs):
+        t = _model(inputs)
+        reference = tf.compat.v1.gradients(t["y"], t["x"])
+        plain = memsave.gradients(t["y"], t["x"], checkpoints=lambda region: [t["h"]])
+        assert memsave.last_report().checkpoints[0].reason == "chosen by a custom strategy"
+        chosen = memsave.gradients(t["y"], t["x"],
+                                   checkpoints=lambda region: [Choice(t["c"], "mine")])
+        assert memsave.last_report().checkpoints[0].reason == "mine"
+        return {"expected": reference, "plain": plain, "chosen": chosen}
+    values = evaluate("v1", body, {"x": X})
+    assert_same_gradients(values["expected"], values["plain"])
+    assert_same_gradients(values["expected"], values["chosen"])
+
+
+def test_python_and_numpy_grad_ys_are_accepted():
+    def body(graph, inputs):
+        t = _model(inputs)
+        reference = tf.compat.v1.gradients([t["y"], t["h"]], t["x"],
+                                           grad_ys=[2.0, np.full([4, 3], 0.5, np.float32)])
+        got = memsave.gradients([t["y"], t["h"]], t["x"],
+                                grad_ys=[2.0, np.full([4, 3], 0.5, np.float32)],
+                                checkpoints=[t["c"]])
+        return {"expected": reference, "got": got}
+    values = evaluate("v1", body, {"x": X})
+    assert_same_gradients(values["expected"], values["got"])
+
+
+# -- determinism ----------------------------------------------------------------------------------
+
+def _deterministic_model(x, strategy):
+    w = tf.constant(np.random.RandomState(1).uniform(-1, 1, [3, 3]).astype(np.float32))
+    h, hs = x, []
+    for i in range(8):
+        h = tf.tanh(tf.matmul(h, w)) + (hs[-2] if i % 2 and len(hs) > 1 else 0.0)
+        hs.append(h)
+    left, right = tf.split(h, [1, 2], axis=1)
+    y = tf.reduce_sum(tf.nn.dropout(left, 0.5, seed=3)) + tf.reduce_sum(tf.sin(right))
+    memsave.mark_checkpoint(hs[3])
+    checkpoints = [hs[1], hs[4], left] if strategy == "list" else strategy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", memsave.MemsaveWarning)
+        return memsave.gradients([y, tf.reduce_mean(hs[5])], [x, w], checkpoints=checkpoints)
+
+
+def _rewritten_graph_def(kind, strategy):
+    if kind == "v1":
+        graph = tf.Graph()
+        with graph.as_default():
+            _deterministic_model(tf.compat.v1.placeholder(tf.float32, [4, 3], name="x"), strategy)
+        return graph.as_graph_def()
+    function = tf.function(lambda x: _deterministic_model(x, strategy), autograph=False)
+    return function.get_concrete_function(tf.TensorSpec([4, 3], tf.float32)).graph.as_graph_def()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("strategy", ["memory", "speed", "collection", "list"])
+def test_the_same_graph_built_twice_gives_the_same_rewritten_graph_def(kind, strategy):
+    first = _rewritten_graph_def(kind, strategy)
+    second = _rewritten_graph_def(kind, strategy)
+    assert any("recompute" in node.name for node in first.node)
+    assert first.SerializeToString(deterministic=True) == second.SerializeToString(deterministic=True)
