@@ -1,0 +1,63 @@
+"""The report of what memsave kept and recomputed, and its logging."""
+
+import logging
+
+import numpy as np
+import tensorflow as tf
+
+import memsave
+
+
+def _chain(n=16):
+    x = tf.constant(np.ones([64, 64], np.float32))
+    h = x
+    for _ in range(n):
+        h = tf.tanh(h)
+    return tf.reduce_sum(h), x
+
+
+def test_plan_reports_without_touching_the_graph():
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, x = _chain()
+        before = len(graph.get_operations())
+        report = memsave.plan(loss, x, "memory")
+        assert len(graph.get_operations()) == before
+    assert report.region_ops == 17
+    assert len(report.checkpoints) == 4
+    assert all(c.bytes == 64 * 64 * 4 and c.dtype == "float32" for c in report.checkpoints)
+    assert report.kept_bytes == 4 * 64 * 64 * 4
+    assert not report.segments
+
+
+def test_report_counts_segments_and_recomputed_bytes(caplog):
+    graph = tf.Graph()
+    with graph.as_default(), caplog.at_level(logging.DEBUG, logger="memsave"):
+        loss, x = _chain()
+        memsave.gradients(loss, x, checkpoints="memory")
+    report = memsave.last_report()
+    assert len(report.segments) == len(report.checkpoints) + 1
+    assert report.copied_ops == 17  # every region op recomputed exactly once on a chain
+    assert report.recomputed_bytes == 16 * 64 * 64 * 4 + 4  # 16 tanh outputs and the scalar loss
+    text = report.format()
+    for c in report.checkpoints:
+        assert c.name in text
+    assert "recomputed segments" in text
+    assert any(r.levelno == logging.INFO and "4 checkpoints" in r.getMessage() for r in caplog.records)
+    assert any(r.levelno == logging.DEBUG and "kept (checkpoints)" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_report_lists_what_is_never_recomputed():
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.Variable(np.ones([8, 8], np.float32))
+        h = tf.constant(np.ones([4, 8], np.float32))
+        for _ in range(6):
+            h = tf.tanh(tf.matmul(h, w))
+            h = h * tf.cast(tf.random.uniform(tf.shape(h)) > 0.5, h.dtype)  # draw shaped by h
+        report = memsave.plan(tf.reduce_sum(h), [w], "memory")
+    reasons = dict(report.not_recomputable)
+    types = {graph.get_operation_by_name(name).type for name in reasons}
+    assert "RandomUniform" in types and "ReadVariableOp" in types
+    assert set(reasons.values()) == {"stateful"}
