@@ -512,6 +512,20 @@ def test_xs_computed_from_other_xs_pass_their_gradient_on():
     assert np.max(np.abs(values["tf"][0] - values["list0"][0])) < 1e-5
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_x_that_is_one_output_of_a_split_on_the_path(kind):
+    """Regression (found by test_properties): with x0 -> split -> (s0, s1), xs=[x0, s1] and
+    y = f(s0), the split op (s1's op) was left out of the region and not kept, so nothing
+    carried the gradient of s0 back to x0: memsave gave None (or half the gradient)."""
+    def build(inputs):
+        x0 = inputs["x"]
+        s0, s1 = tf.split(tf.concat([x0, tf.tanh(x0)], axis=1), 2, axis=1)
+        h = tf.tanh(s0)
+        y = tf.reduce_sum(tf.sin(h) * h) + tf.reduce_sum(x0)
+        return Case([y], [x0, s1], lists=[[h], []], marks=[h])
+    compare_strategies(kind, build, {"x": X})
+
+
 # -- variables ----------------------------------------------------------------------------------
 
 def _variables_model(variable_kind):
