@@ -2,8 +2,10 @@
 equals tf.gradients (relative error <= 1e-5 in float32).
 
 The DAGs mix elementwise ops, add/sub/mul, matmuls (weights sometimes among the
-xs), concat followed by split (multi-output ops), residual skips, existing
-stop_gradients, dead ends and a branch that does not depend on the xs. The
+xs), concat followed by split (multi-output ops), residual skips, dropout,
+existing stop_gradients, dead ends and a branch that does not depend on the xs,
+sometimes with grad_ys, an intermediate tensor among the xs and a
+stop_gradients= argument. The
 checkpoint sets are random subsets of every tensor of the graph: tensors on the
 path, the xs, the ys and tensors off the path (memsave drops those with a
 warning), plus the 'memory' and 'speed' strategies.
@@ -32,7 +34,7 @@ from _gradcheck import Case, assert_same_gradients, build_all, evaluate
 EXAMPLES = int(os.environ.get("MEMSAVE_HYPOTHESIS_EXAMPLES", "150"))
 FUNCTION_EXAMPLES = max(10, EXAMPLES // 10) if "MEMSAVE_HYPOTHESIS_EXAMPLES" in os.environ else 20
 BATCH, WIDTH = 3, 4
-UNARY = ("tanh", "sin", "sigmoid", "scale", "square", "stop_gradient")
+UNARY = ("tanh", "sin", "sigmoid", "scale", "square", "stop_gradient", "dropout")
 BINARY = ("add", "sub", "mul", "residual")
 TRIED = {"v1": 0, "function": 0}
 
@@ -66,11 +68,13 @@ def dags(draw):
     weights_are_xs = draw(st.booleans())
     intermediate_x = draw(st.one_of(st.none(), st.integers(n_inputs + 1, last)))
     use_grad_ys = draw(st.booleans())
+    stop_gradients = draw(st.one_of(st.just([]), st.lists(st.integers(0, last), max_size=2)))
     # Checkpoint candidates: every node, plus -1 - i for the i-th y (the summed loss).
     candidates = st.integers(-len(ys), last)
     subsets = draw(st.lists(st.lists(candidates, max_size=6, unique=True), min_size=1, max_size=3))
     return {"n_inputs": n_inputs, "nodes": nodes, "ys": ys, "weights_are_xs": weights_are_xs,
-            "intermediate_x": intermediate_x, "grad_ys": use_grad_ys, "subsets": subsets}
+            "intermediate_x": intermediate_x, "grad_ys": use_grad_ys, "subsets": subsets,
+            "stop_gradients": stop_gradients}
 
 
 def _apply(op, args):
@@ -86,6 +90,8 @@ def _apply(op, args):
         return args[0] * args[0] * 0.5
     if op == "stop_gradient":
         return tf.stop_gradient(args[0])
+    if op == "dropout":  # a stateful random draw: recomputation must reuse it
+        return tf.nn.dropout(args[0], rate=0.5)
     if op == "add":
         return args[0] + args[1]
     if op == "sub":
@@ -127,6 +133,8 @@ def build_dag(spec, inputs):
     kwargs = {}
     if spec["grad_ys"]:
         kwargs["grad_ys"] = [tf.constant(0.5 + k, tf.float32) for k in range(len(ys))]
+    if spec.get("stop_gradients"):
+        kwargs["stop_gradients"] = [tensors[i] for i in spec["stop_gradients"]]
 
     def tensor_of(index):
         return ys[-1 - index] if index < 0 else tensors[index]
@@ -198,9 +206,9 @@ def test_a_known_dag_with_every_kind_of_node():
             "nodes": [("input", (0,)), ("input", (1,)), ("constant", ()),
                       ("matmul", (0,), 0), ("tanh", (3,)), ("split0", (4, 1)), ("split1", (4, 1)),
                       ("residual", (5, 6)), ("mul", (7, 2)), ("stop_gradient", (4,)),
-                      ("sub", (8, 9)), ("sin", (4,)), ("matmul", (10,), 1)],
-            "ys": [11, 12], "weights_are_xs": True, "intermediate_x": 4, "grad_ys": True,
-            "subsets": [[4, 7], [0, -1, 2, 11], [5, 6, 8, 10]]}
+                      ("sub", (8, 9)), ("sin", (4,)), ("matmul", (10,), 1), ("dropout", (12,))],
+            "ys": [11, 13], "weights_are_xs": True, "intermediate_x": 4, "grad_ys": True,
+            "subsets": [[4, 7], [0, -1, 2, 11], [5, 6, 8, 10, 12]], "stop_gradients": [6]}
     for kind in ("v1", "function"):
         check_dag(kind, spec)
 
