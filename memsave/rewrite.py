@@ -2,7 +2,10 @@
 
 1. forward region (memsave.region);  2. checkpoints (memsave.strategies);
 3. boundaries: every segment reads its checkpoints through its own
-   `stop_gradient`, so the gradient of a segment stops at them;
+   identity, which its `tf.gradients` call treats as an x and a stop, so the
+   gradient of a segment stops at them (an identity, not a `stop_gradient`:
+   the gradients memsave returns stay differentiable, e.g. for a gradient
+   penalty or a Hessian-vector product);
 4. the last segment (checkpoints -> ys) is copied and differentiated;
 5. earlier segments, in reverse topological order, are copied and
    differentiated with the accumulated gradient of their checkpoints;
@@ -13,7 +16,7 @@
 
 Tensors that depend on the xs but cannot be recomputed (variable reads, random
 draws, control flow: see memsave.region) are read by the copies through a
-segment-local `stop_gradient` too; their gradients are collected and pushed
+segment-local identity too; their gradients are collected and pushed
 through the original ops to the xs in one final `tf.gradients` call. Keeping
 every segment's inputs local also keeps each per-segment `tf.gradients` call
 proportional to its segment, not to the whole graph.
@@ -265,14 +268,14 @@ class _Rewrite:
                                     within_ops=self.region.op_set, stop_at_ts=self.checkpoints)
         local_inputs = self._inputs_to_localise(ops)
         with tf.name_scope(label):
-            replacements = TensorMap((t, _local_stop_gradient(t)) for t in local_inputs)
+            replacements = TensorMap((t, _local_input(t)) for t in local_inputs)
             copy = copy_with_input_replacements(ops, replacements, name_scope="recompute")
             self._order_after(copy, trigger_ops)
             copied_ys = [copy.transformed(y) for y in seg_ys]
             stop = [copy.transformed(t) for t in self.options.stop if copy.transformed(t) is not None]
             locals_ = [replacements[t] for t in local_inputs]
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
-                                  stop_gradients=stop or None, **self.options.passed)
+                                  stop_gradients=stop + locals_, **self.options.passed)
         for t, g in zip(local_inputs, grads):
             if g is not None:
                 self._add(t, g)
@@ -347,11 +350,17 @@ class _Rewrite:
         return result
 
 
-def _local_stop_gradient(t):
-    """A segment's own view of an outside tensor, on the tensor's device."""
+def _local_input(t):
+    """A segment's own view of an outside tensor, on the tensor's device.
+
+    An identity, not a stop_gradient: the segment's tf.gradients call stops at
+    it anyway (it is one of that call's xs and stop_gradients), and a
+    stop_gradient would also cut every higher-order gradient taken through
+    the gradients memsave returns (they would come out None).
+    """
     placement = tf.device(t.op.device) if t.op.device else contextlib.nullcontext()
     with placement:
-        return tf.stop_gradient(t, name="input")
+        return tf.identity(t, name="input")
 
 
 def _zeros_like(x):

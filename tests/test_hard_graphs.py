@@ -526,6 +526,38 @@ def test_an_x_that_is_one_output_of_a_split_on_the_path(kind):
     compare_strategies(kind, build, {"x": X})
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_order_gradients_through_memsave(kind):
+    """Regression: segments read their inputs through stop_gradient, which made every
+    gradient taken *through* memsave's result None (a gradient penalty was silently
+    dropped, a Hessian-vector product was None). Now they match tf.gradients."""
+    def body(graph, inputs):
+        x = inputs["x"]
+        w1, w2, _ = _weights()
+        h = tf.tanh(tf.matmul(x, w1))
+        h2 = tf.sin(tf.matmul(h, w2)) * h
+        y = tf.reduce_sum(h2 * h2)
+        memsave.mark_checkpoint(h)
+        vector = tf.ones_like(x) * 0.3
+
+        def second_order(gradient_fn):
+            dx, dw1 = gradient_fn(y, [x, w1])
+            penalty = tf.reduce_sum(dx * dx) + tf.reduce_sum(dw1 * dw1)
+            hessian_vector = tf.gradients(tf.reduce_sum(dx * vector), [x, w1])
+            return tf.gradients(penalty + y, [x, w1, w2]) + hessian_vector
+
+        results = {"tf": second_order(tf.gradients)}
+        for label, checkpoints in [("memory", "memory"), ("speed", "speed"),
+                                   ("collection", "collection"), ("list", [h, h2])]:
+            results[label] = second_order(
+                lambda ys, xs: memsave.gradients(ys, xs, checkpoints=checkpoints))
+        return results
+    values = evaluate(kind, body, {"x": X})
+    for label, got in values.items():
+        assert all(g is not None for g in got), label
+        assert_same_gradients(values["tf"], got, label=f"{kind}/{label}")
+
+
 # -- variables ----------------------------------------------------------------------------------
 
 def _variables_model(variable_kind):
