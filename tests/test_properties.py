@@ -5,17 +5,18 @@ The DAGs mix elementwise ops, add/sub/mul, matmuls (weights sometimes among the
 xs), concat followed by split (multi-output ops), residual skips, dropout,
 existing stop_gradients, dead ends and a branch that does not depend on the xs,
 sometimes with grad_ys, an intermediate tensor among the xs and a
-stop_gradients= argument. The
-checkpoint sets are random subsets of every tensor of the graph: tensors on the
-path, the xs, the ys and tensors off the path (memsave drops those with a
-warning), plus the 'memory' and 'speed' strategies.
+stop_gradients= argument. The checkpoint sets are random subsets of every tensor
+of the graph: tensors on the path, the xs, the ys and tensors off the path
+(memsave drops those with a warning), plus the 'memory' and 'speed' strategies.
+Graphs whose ys depend on no x must be refused with MemsaveError, adding no op.
 
 Size of the run:
   default (CI): MEMSAVE_HYPOTHESIS_EXAMPLES unset -> 150 v1 graphs + 20 tf.function graphs;
   larger:       MEMSAVE_HYPOTHESIS_EXAMPLES=2000 pytest tests/test_properties.py
                 --hypothesis-show-statistics   (the tf.function test gets a tenth).
-Each example builds one small graph and evaluates tf.gradients and four memsave
-rewrites of it in a single Session.run / function call.
+Each example builds one small graph and evaluates tf.gradients and four to six
+memsave rewrites of it ('memory', 'speed', 'collection' and 1-3 random lists) in
+a single Session.run / function call.
 """
 
 import os
