@@ -71,16 +71,21 @@ def normalise_xs(xs, graph):
     if not xs:
         raise MemsaveError("xs is empty; pass the tensors or variables to differentiate with "
                            "respect to, e.g. model.trainable_variables")
+    return _graph_tensors_of(xs, "xs", graph)
+
+
+def _graph_tensors_of(values, what, graph):
+    """Tensors or variables (-> their handle in `graph`) as graph tensors of `graph`."""
     result = []
-    for i, x in enumerate(xs):
-        if _is_variable(x):
-            x = _tf_private.graph_tensor_of_variable(x, graph)
+    for i, value in enumerate(values):
+        if _is_variable(value):
+            value = _tf_private.graph_tensor_of_variable(value, graph)
         else:
-            _check_graph_tensor(x, f"xs[{i}]")
-        if x.graph is not graph:
-            raise MemsaveError(f"xs[{i}] ({x.name}) belongs to another graph than ys; "
-                               "build xs and ys in the same graph")
-        result.append(x)
+            _check_graph_tensor(value, f"{what}[{i}]")
+        if value.graph is not graph:
+            raise MemsaveError(f"{what}[{i}] ({value.name}) belongs to another graph than ys; "
+                               "pass tensors of the graph being differentiated")
+        result.append(value)
     return result
 
 
@@ -126,17 +131,7 @@ def normalise_stop_gradients(stop_gradients, graph):
     """Returns the stop_gradients argument as a list of graph tensors of `graph`."""
     if stop_gradients is None:
         return []
-    result = []
-    for i, t in enumerate(_as_list(stop_gradients, "stop_gradients")):
-        if _is_variable(t):
-            t = _tf_private.graph_tensor_of_variable(t, graph)
-        else:
-            _check_graph_tensor(t, f"stop_gradients[{i}]")
-        if t.graph is not graph:
-            raise MemsaveError(f"stop_gradients[{i}] ({t.name}) belongs to another graph than ys; "
-                               "pass tensors of the graph being differentiated")
-        result.append(t)
-    return result
+    return _graph_tensors_of(_as_list(stop_gradients, "stop_gradients"), "stop_gradients", graph)
 
 
 def _tensor_by_name(name, graph, index):
