@@ -53,7 +53,7 @@ BASELINE = "tf.gradients"
 MEMSAVE_STRATEGIES = ("speed", "memory", "collection")
 # Models whose forward pass marks checkpoints (mirrors models.py; a test checks it).
 MARKING_MODELS = ("cnn", "mlp", "transformer")
-DEFAULT_SWEEP_DEPTHS = {"cnn": (3, 6, 12, 24, 48), "mlp": (8, 16, 32, 64, 128),
+DEFAULT_SWEEP_DEPTHS = {"cnn": (6, 12, 24, 48, 81), "mlp": (8, 16, 32, 64, 128),
                         "transformer": (2, 4, 8, 16, 32), "keras": (0,)}
 CHILD_TARGET = "benchmarks.compare:measure_config"
 MEMORY_STEPS = 2  # steps over which the peak is taken
@@ -572,7 +572,7 @@ def main(argv=None):
     parser.add_argument("--model", default="cnn", choices=("cnn", "mlp", "transformer", "keras"))
     parser.add_argument("--depth", type=int, default=None,
                         help="residual blocks (cnn), layers (mlp) or encoder blocks "
-                             "(transformer); default per model (27, 36, 8)")
+                             "(transformer); default per model (81, 36, 8)")
     parser.add_argument("--batch", type=int, default=None, help="batch size; default per model")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
@@ -614,7 +614,7 @@ def main(argv=None):
         sizes = _parse_list(args.sizes, int) or list(bench_rewrite_time.SIZES)
         strategies = [s for s in (_parse_list(args.strategies) or bench_rewrite_time.STRATEGIES)
                       if s != BASELINE]
-        rows = bench_rewrite_time.build_time_rows(sizes, strategies)
+        rows = bench_rewrite_time.build_time_rows(sizes, strategies, timeout=args.timeout)
         text = bench_rewrite_time.format_rows(rows, strategies)
         print(text)
         if args.csv:

@@ -10,7 +10,9 @@ Models (the `--model` flag of compare.py):
 
 - ``cnn`` (default): a ResNet-style CNN for CIFAR-shaped data (32x32x3, 10 classes):
   a 3x3 stem, then `depth` basic residual blocks (conv-BN-ReLU-conv-BN + shortcut, ReLU)
-  in three stages of widths w, 2w, 4w at 32, 16 and 8 pixels. depth 27 is ResNet-56.
+  in three stages of widths w, 2w, 4w at 32, 16 and 8 pixels. depth 27 is ResNet-56;
+  the default, 81, has the depth of ResNet-164 (with basic blocks): deep enough that
+  activations, not weights, dominate memory, and one step takes about a second.
 - ``mlp``: `depth` dense tanh layers of equal width.
 - ``transformer``: token embedding, then `depth` pre-LayerNorm encoder blocks
   (multi-head self-attention and a ReLU MLP, each with a residual), a vocabulary head.
@@ -34,7 +36,7 @@ MODELS = ("cnn", "mlp", "transformer", "keras")
 
 # Per-model defaults, sized so one step takes well under a second on 2 CPU cores.
 DEFAULTS = {
-    "cnn": {"depth": 27, "batch": 32},
+    "cnn": {"depth": 81, "batch": 32},
     "mlp": {"depth": 36, "batch": 2048},
     "transformer": {"depth": 8, "batch": 16},
     "keras": {"depth": 0, "batch": 16},
@@ -115,7 +117,7 @@ class _Init:
 
 # ----------------------------------------------------------------------------- cnn
 
-def build_cnn(depth=27, batch=32, seed=0, width=16, image_size=32, classes=10):
+def build_cnn(depth=81, batch=32, seed=0, width=16, image_size=32, classes=10):
     """ResNet-style CNN on synthetic CIFAR-shaped data; `depth` residual blocks."""
     if depth < 1:
         raise ValueError(f"cnn needs depth >= 1 residual blocks, got {depth}")
