@@ -150,6 +150,13 @@ def test_relative_error_compares_saved_gradients(tmp_path):
     assert compare._max_relative_error(other, reference) == pytest.approx(0.1)
 
 
+def test_relative_error_of_a_numerically_zero_gradient_is_taken_against_the_largest(tmp_path):
+    reference, other = tmp_path / "a.npz", tmp_path / "b.npz"
+    np.savez(reference, g0000=np.array([100.0]), g0001=np.array([1e-9]))
+    np.savez(other, g0000=np.array([100.0]), g0001=np.array([-1e-9]))
+    assert compare._max_relative_error(other, reference) == pytest.approx(2e-9 / 1e-4)
+
+
 def test_build_time_rows_on_a_small_generated_graph():
     rows = bench_rewrite_time.build_time_rows([60], strategies=("memory",), repeats=1,
                                               isolate=False)
