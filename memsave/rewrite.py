@@ -28,12 +28,13 @@ import warnings
 
 import tensorflow as tf
 
-from memsave import aggregate, inputs
+from memsave import aggregate, inputs, segments
 from memsave import report as report_lib
 from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops
 from memsave.graph.transform import copy_with_input_replacements
+from memsave.strategies.base import Choice
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion, estimated_bytes
 from memsave.strategies import Choice
 
@@ -82,6 +83,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
             raise MemsaveError("none of the ys depends on any of the xs; check that the loss is "
                                "computed from the variables/tensors passed as xs")
         kept, dropped = _select_checkpoints(strategy(region), region)
+        kept = _with_shared_tensors(kept, region)
         report = report_lib.RewriteReport(
             strategy=strategy_name, region_ops=len(region),
             checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in kept],
@@ -131,6 +133,7 @@ def plan(ys, xs, checkpoints="collection"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemsaveWarning)
         kept, dropped = _select_checkpoints(strategy(region), region)
+    kept = _with_shared_tensors(kept, region)
     return report_lib.RewriteReport(
         strategy=strategy_name, region_ops=len(region),
         checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in kept],
@@ -205,6 +208,18 @@ def _as_choices(choices, region):
                                f"graph, at position {i}; {allowed}")
         result.append(item if isinstance(item, Choice) else Choice(t, "chosen by a custom strategy"))
     return result
+
+
+def _with_shared_tensors(kept, region):
+    """Step 2b: adds the tensors several segments would recompute (memsave.segments)."""
+    shared = segments.shared_tensors(region, [c.tensor for c in kept])
+    if not shared:
+        return kept
+    logger.debug("memsave: keeping %d tensors read by several segments", len(shared))
+    kept = kept + [Choice(t, "read by several segments: kept so it is recomputed once")
+                   for t in shared]
+    kept.sort(key=lambda c: region.position[c.tensor.op])
+    return kept
 
 
 def _no_checkpoints_message(strategy_name, region):

@@ -168,3 +168,37 @@ def test_sparse_gradients_stay_indexed_slices():
             session.run(tf.compat.v1.global_variables_initializer())
             e, g = session.run([tf.convert_to_tensor(expected), tf.convert_to_tensor(got)])
     np.testing.assert_allclose(g, e, rtol=1e-6)
+
+
+def _residual_stream(blocks=24, width=8):
+    """x_{k+1} = x_k + tanh(x_k @ w_k), a skip every 4 blocks, marks after skip-adds."""
+    x = _models._const([4, width], 8)
+    weights, skip, h = [], x, x
+    for i in range(blocks):
+        w = _models._const([width, width], 100 + i, 0.3)
+        weights.append(w)
+        h = h + tf.tanh(tf.matmul(h, w))
+        if i % 4 == 3:
+            h, skip = h + skip, h
+            memsave.mark_checkpoint(h)
+    return tf.reduce_sum(h * h), [x] + weights
+
+
+@pytest.mark.parametrize("strategy", ["speed", "collection"])
+def test_residual_stream_is_recomputed_once_not_per_segment(strategy):
+    """Checkpoints that do not cut the residual stream (matmul outputs; marks after a
+    skip-add) would make every segment re-walk the stream to its start (quadratic).
+    Tensors read by several segments are kept too, so each region op is copied once."""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs = _residual_stream()
+        region = ForwardRegion.build([loss], xs)
+        got = memsave.gradients(loss, xs, checkpoints=strategy)
+        report = memsave.last_report()
+        copies = _count_copies(graph)
+        expected = tf.gradients(loss, xs)
+        with tf.compat.v1.Session() as session:
+            expected, got = session.run([expected, got])
+    assert len(copies) == report.copied_ops <= len(region)
+    assert any("several segments" in c.reason for c in report.checkpoints)
+    assert_same_gradients(expected, got)

@@ -168,6 +168,10 @@ def make_op_membership(ops):
     Raises:
       TypeError: for anything that is not an op, tensor or graph.
     """
+    if isinstance(ops, frozenset) and isinstance(next(iter(ops), None), (tf.Operation, type(None))):
+        # A frozenset of ops is taken as it is, unchecked and uncopied: the rewrite
+        # walks within the same region once per segment.
+        return ops
     if isinstance(ops, (set, frozenset)):
         ops = list(ops)
     elif not isinstance(ops, (tf.Graph, tf.Operation, tf.Tensor, list, tuple)):
@@ -177,6 +181,8 @@ def make_op_membership(ops):
 
 def _tensor_membership(ts):
     """A TensorSet of `ts` for membership tests (accepts sets and other iterables)."""
+    if isinstance(ts, TensorSet):
+        return ts  # already keyed for membership; no copy
     if isinstance(ts, (set, frozenset)) or not isinstance(
             ts, (tf.Graph, tf.Operation, tf.Tensor, list, tuple)):
         ts = list(ts)
