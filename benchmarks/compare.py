@@ -520,7 +520,7 @@ def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
     strategies = list(dict.fromkeys(row["strategy"] for row in rows))
     figure, (memory_axes, time_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
     oom_label_done = False
-    for strategy in strategies:
+    for index, strategy in enumerate(strategies):
         mine = [r for r in rows if r["strategy"] == strategy]
         ok = [r for r in mine if r["status"] == "ok"]
         line, = memory_axes.plot([r["depth"] for r in ok], [r["peak_mb"] for r in ok], "o-",
@@ -530,8 +530,9 @@ def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
         ooms = [r["depth"] for r in mine if r["status"] == "OOM"]
         if ooms:
             top = memory_limit_mb or max((r["peak_mb"] for r in rows if r["peak_mb"]), default=1)
+            top *= 1 - 0.04 * index  # staggered, so strategies out of memory at one depth all show
             memory_axes.plot(ooms, [top] * len(ooms), "x", color=line.get_color(), ms=10,
-                             mew=2, label=None if oom_label_done else "out of memory")
+                             mew=2, label=None if oom_label_done else "out of memory (x)")
             oom_label_done = True
     if memory_limit_mb:
         memory_axes.axhline(memory_limit_mb, color="grey", ls="--", lw=1)
@@ -543,7 +544,8 @@ def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
     if title:
-        figure.suptitle(title, fontsize=9)
+        import textwrap
+        figure.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
     figure.tight_layout()
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png_path, dpi=110)
@@ -657,7 +659,8 @@ def main(argv=None):
         csv_path = args.csv or f"benchmarks/results/sweep_{args.model}.csv"
         write_csv(rows, csv_path)
         png_path = args.png or f"benchmarks/results/sweep_{args.model}.png"
-        title = _title(rows, command)
+        device = next((row["device"] for row in rows if row.get("device")), "unknown device")
+        title = f"{args.model} model, depth swept; {device}; {command}"
         drew = plot_sweep(rows, png_path, args.memory_limit_mb, title)
         print(f"\nwrote {csv_path}" + (f" and {png_path}" if drew else ""))
         if args.markdown:
