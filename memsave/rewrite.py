@@ -1,6 +1,8 @@
 """The checkpointed gradient rewrite (SPEC, "The rewrite, in steps").
 
-1. forward region (memsave.region);  2. checkpoints (memsave.strategies);
+1. forward region (memsave.region);  2. checkpoints (memsave.strategies),
+   plus the tensors several segments would read (memsave.segments), so no op
+   is recomputed twice;
 3. boundaries: every segment reads its checkpoints through its own
    identity, which its `tf.gradients` call treats as an x and a stop, so the
    gradient of a segment stops at them (an identity, not a `stop_gradient`:
