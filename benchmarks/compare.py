@@ -297,15 +297,17 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
     return result
 
 
-NEGLIGIBLE = 1e-6  # gradients below this fraction of the largest one count as zero
+# Gradients below this fraction of the largest one count as numerically zero: e.g. a conv
+# bias followed by batch norm has a true gradient of 0, and float32 leaves ~1e-7 of noise.
+NEGLIGIBLE = 1e-4
 
 
 def _max_relative_error(path, reference_path):
     """max over variables of max|g - g_ref| / max|g_ref| (inf if the sets differ).
 
-    Variables whose reference gradient is numerically zero (below NEGLIGIBLE times
-    the largest gradient of any variable, e.g. a conv bias followed by batch norm)
-    are compared against that largest gradient instead of their own.
+    Each variable's scale is its own max|g_tf|, but at least NEGLIGIBLE times the
+    largest gradient of any variable (so numerically-zero gradients, e.g. of a conv
+    bias followed by batch norm, do not turn float noise into a huge ratio).
     """
     import numpy as np
 
