@@ -363,7 +363,8 @@ class _Rewrite:
                     contributions.append(g)
         result = [aggregate.sum_keeping_sparse(c) for c in per_x]
         if self.options.unconnected == tf.UnconnectedGradients.ZERO:
-            result = [g if g is not None else _zeros_like(x) for g, x in zip(result, self.xs)]
+            result = [g if g is not None else _tf_private.zero_gradient_like(x)
+                      for g, x in zip(result, self.xs)]
         return result
 
 
@@ -378,7 +379,3 @@ def _local_input(t):
     placement = tf.device(t.op.device) if t.op.device else contextlib.nullcontext()
     with placement:
         return tf.identity(t, name="input")
-
-
-def _zeros_like(x):
-    return _tf_private.zero_gradient_like(x)
