@@ -1,0 +1,206 @@
+"""The training step as the planner sees it: ops and tensors as integers.
+
+`StepGraph.build(region)` walks the forward pass once (every op the ys depend
+on) and records, in plain Python lists indexed by integers, what the memory and
+cost models need: tensor sizes, producers and consumers, which ops may be
+recomputed, what each op's gradient reads, which outputs share their input's
+buffer. Planning then never touches TensorFlow objects again, so evaluating a
+candidate plan costs a pass over lists, not thousands of graph API calls.
+"""
+
+import logging
+
+import tensorflow as tf
+
+from memsave.graph.select import get_backward_walk_ops
+from memsave.planner import opinfo
+from memsave.region import estimated_bytes
+
+logger = logging.getLogger(__name__)
+
+# How an op takes part in the step.
+RESIDENT = 0    # no inputs: constants, placeholders, captured inputs, variable handles
+REGION = 1      # on the path from xs to ys and recomputable
+KEPT = 2        # on the path but never recomputed (stateful, control flow, an x's own op)
+FORWARD = 3     # forward only: does not depend on the xs
+
+# v1 while loops have back edges; a topological order ignores them.
+_BACK_EDGE_OP_TYPES = frozenset(["NextIteration", "RefNextIteration"])
+
+
+class StepGraph:
+    """The forward pass of one gradients call, compiled to integer lists.
+
+    Attributes:
+      ops: tf.Operations in topological order (index = op id).
+      kind: per op, RESIDENT / REGION / KEPT / FORWARD.
+      inputs, outputs: per op, tensor ids.
+      tensors: tf.Tensors (index = tensor id).
+      size: per tensor, bytes (a variable handle counts its variable's bytes).
+      producer: per tensor, op id.
+      consumers: per tensor, op ids reading it.
+      alias_of: per tensor, the tensor whose buffer it shares, or -1.
+      grad_reads: per op, tensor ids its gradient reads.
+      grad_inputs: per op, (input tensor id, gradient bytes) for inputs that receive
+        a gradient (they depend on the xs).
+      cost: per op, estimated FLOPs of running it once.
+      is_x, is_y: per tensor, booleans.
+      unknown_dims: names of tensors whose size assumed an unknown dimension of 1.
+    """
+
+    def __init__(self):
+        self.ops, self.kind, self.inputs, self.outputs = [], [], [], []
+        self.tensors, self.size, self.producer, self.consumers, self.alias_of = [], [], [], [], []
+        self.grad_reads, self.grad_inputs, self.cost = [], [], []
+        self.is_x, self.is_y = [], []
+        self.tensor_id = {}
+        self.op_id = {}
+        self.unknown_dims = []
+
+    @classmethod
+    def build(cls, region):
+        """Compiles the forward pass of `region` (a memsave.region.ForwardRegion)."""
+        step = cls()
+        ops = _forward_ops_in_order(region.ys)
+        kept = {op for op, _ in region.kept_ops}
+        for op in ops:
+            step._add_op(op, _kind_of(op, region, kept))
+        step._link(region)
+        return step
+
+    # -- construction ------------------------------------------------------------------
+    def _add_op(self, op, kind):
+        index = len(self.ops)
+        self.op_id[op] = index
+        self.ops.append(op)
+        self.kind.append(kind)
+        self.inputs.append([])
+        outputs = []
+        for t in op.outputs:
+            tid = len(self.tensors)
+            self.tensor_id[(op, t.value_index)] = tid
+            self.tensors.append(t)
+            self.size.append(estimated_bytes(t))
+            if t.shape.rank is not None and None in t.shape.as_list() and t.dtype.is_floating:
+                self.unknown_dims.append(t.name)
+            self.producer.append(index)
+            self.consumers.append([])
+            self.alias_of.append(-1)
+            self.is_x.append(False)
+            self.is_y.append(False)
+            outputs.append(tid)
+        self.outputs.append(outputs)
+        self.grad_reads.append([])
+        self.grad_inputs.append([])
+        self.cost.append(opinfo.flops(op) if kind == REGION else 0)
+
+    def _link(self, region):
+        for x in region.xs:
+            tid = self.tensor_id.get((x.op, x.value_index))
+            if tid is not None:
+                self.is_x[tid] = True
+        for y in region.ys:
+            self.is_y[self.tensor_id[(y.op, y.value_index)]] = True
+        for index, op in enumerate(self.ops):
+            for t in op.inputs:
+                tid = self.tensor_id.get((t.op, t.value_index))
+                if tid is None:
+                    continue
+                self.inputs[index].append(tid)
+                self.consumers[tid].append(index)
+            self._link_variable_read(index, op)
+            if op.type in opinfo.ALIAS_OP_TYPES and self.inputs[index] and self.outputs[index]:
+                self.alias_of[self.outputs[index][0]] = self.inputs[index][0]
+        for index, op in enumerate(self.ops):
+            if self.kind[index] in (REGION, KEPT):
+                self._link_gradient(index, op, region)
+
+    def _link_variable_read(self, index, op):
+        """A variable's bytes belong to its handle, which lives for the whole step."""
+        for t in op.inputs:
+            if t.dtype == tf.resource and self.outputs[index]:
+                handle = self.tensor_id.get((t.op, t.value_index))
+                out = self.outputs[index][0]
+                if handle is not None and self.size[handle] == 0:
+                    self.size[handle] = self.size[out]
+
+    def _link_gradient(self, index, op, region):
+        reads_in, reads_out = opinfo.gradient_reads(op.type, len(op.inputs), len(op.outputs))
+        ins, outs = self.inputs[index], self.outputs[index]
+        if len(ins) == len(op.inputs):
+            self.grad_reads[index] = [ins[i] for i in reads_in if _is_data(self.tensors[ins[i]])]
+        self.grad_reads[index] += [outs[i] for i in reads_out]
+        for tid in ins:
+            t = self.tensors[tid]
+            if not region.depends_on_xs(t):
+                continue
+            if t.dtype == tf.resource:
+                gradient = self.size[tid]        # the variable's gradient
+            elif t.dtype.is_floating or t.dtype.is_complex:
+                gradient = self.size[tid]
+            else:
+                continue
+            self.grad_inputs[index].append((tid, gradient))
+
+    # -- queries -----------------------------------------------------------------------
+    def buffer_of(self, tid):
+        """The tensor whose buffer `tid` shares (itself when it owns one)."""
+        while self.alias_of[tid] >= 0:
+            tid = self.alias_of[tid]
+        return tid
+
+    def id_of(self, t):
+        return self.tensor_id[(t.op, t.value_index)]
+
+    def region_op_ids(self):
+        return [i for i, k in enumerate(self.kind) if k == REGION]
+
+    def resident_bytes(self):
+        """Bytes alive before the step starts: inputs, constants and variables."""
+        return sum(self.size[t] for i, k in enumerate(self.kind) if k == RESIDENT
+                   for t in self.outputs[i])
+
+
+def _is_data(t):
+    return t.dtype != tf.resource and t.dtype != tf.variant
+
+
+def _kind_of(op, region, kept):
+    if op in region:
+        return REGION
+    if op in kept:
+        return KEPT
+    if not op.inputs:
+        return RESIDENT
+    return FORWARD
+
+
+def _forward_ops_in_order(ys):
+    """Every op the ys depend on, producers first (back edges of v1 loops ignored)."""
+    ops = get_backward_walk_ops([y.op for y in ys], inclusive=True, control_inputs=True)
+    members = set(ops)
+    pending, consumers = {}, {}
+    for op in ops:
+        candidates = list(op.control_inputs)
+        if op.type not in _BACK_EDGE_OP_TYPES:
+            candidates = [t.op for t in op.inputs] + candidates
+        producers = list(dict.fromkeys(p for p in candidates if p in members and p is not op))
+        pending[op] = len(producers)
+        for p in producers:
+            consumers.setdefault(p, []).append(op)
+    # Depth first, as an executor runs a chain: a consumer runs as soon as its
+    # producers have. Lists only, so the order never depends on set iteration.
+    ready = [op for op in ops if pending[op] == 0]
+    result = []
+    while ready:
+        op = ready.pop()
+        result.append(op)
+        for c in reversed(consumers.get(op, [])):
+            pending[c] -= 1
+            if pending[c] == 0:
+                ready.append(c)
+    if len(result) != len(ops):
+        # A cycle that is not a v1 loop back edge: fall back to discovery order.
+        logger.debug("memsave: planner found a cycle; using discovery order")
+        return list(reversed(ops))
+    return result

@@ -1,0 +1,273 @@
+"""The memory model: the predicted peak of a training step, plain or rewritten.
+
+The step is simulated as an ordered list of steps, each running one op (a
+forward op, a recomputed copy, or the gradient of one op), over buffers that
+live from the step that makes them to the last step that reads them:
+
+- resident: inputs, constants and variables, alive for the whole step;
+- forward tensors: from their op to their last reader, forward or backward
+  (plain tf.gradients keeps what each op's gradient reads until that gradient
+  runs; the rewrite keeps only checkpoints and tensors it cannot recompute);
+- recomputed tensors: from their copy to their last reader in that segment;
+  a copy whose output nobody reads is never run (TensorFlow prunes it);
+- gradients: from the gradient op that makes them to the one that consumes
+  them; a tensor read by k ops gets k contributions, summed when the last one
+  arrives; gradients of the xs live to the end of the step (they are returned).
+
+Outputs that share their input's buffer (Reshape, Identity, variable reads)
+extend that buffer instead of allocating. The order is the one the rewrite
+enforces: the whole forward pass, then segment by segment (last first) the
+segment's recomputation followed by its backward pass. The peak is the largest
+sum of live buffers over all steps, counting an op's inputs and outputs at once.
+"""
+
+import dataclasses
+from typing import Optional
+
+from memsave.planner.graph import KEPT, REGION, RESIDENT
+from memsave.planner.segments import LAST, Segmentation
+
+_FOREVER = 1 << 62
+
+
+@dataclasses.dataclass
+class Prediction:
+    """What the model predicts for one step.
+
+    Attributes:
+      peak_bytes: the largest number of bytes alive at once.
+      resident_bytes: bytes alive before the step starts (inputs, variables).
+      peak_at: where the peak happens, e.g. "backward of segment 3 of 9, gradient of conv2d_7".
+      recompute_flops: estimated cost of the recomputed copies.
+      forward_flops: estimated cost of the region's forward pass, for scale.
+      checkpoint_bytes: bytes of the checkpoints kept.
+      segments: number of recomputed segments.
+    """
+    peak_bytes: int
+    resident_bytes: int
+    peak_at: str
+    recompute_flops: int = 0
+    forward_flops: int = 0
+    checkpoint_bytes: int = 0
+    segments: int = 0
+
+    @property
+    def recompute_fraction(self):
+        """Recomputation as a fraction of one forward pass of the region."""
+        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+
+
+class _Timeline:
+    """Steps and buffers; the peak is found with one difference-array pass."""
+
+    def __init__(self):
+        self.labels = []
+        self.starts, self.ends, self.bytes = [], [], []
+
+    def step(self, label):
+        self.labels.append(label)
+        return len(self.labels) - 1
+
+    def buffer(self, start, nbytes, end=None):
+        self.starts.append(start)
+        self.ends.append(start if end is None else end)
+        self.bytes.append(nbytes)
+        return len(self.bytes) - 1
+
+    def use(self, buffer, step):
+        if buffer is not None and self.ends[buffer] < step:
+            self.ends[buffer] = step
+
+    def peak(self):
+        """(peak bytes, step of the peak)."""
+        n = len(self.labels)
+        diff = [0] * (n + 1)
+        for start, end, nbytes in zip(self.starts, self.ends, self.bytes):
+            diff[start] += nbytes
+            diff[min(end, n - 1) + 1] -= nbytes
+        best, best_step, live = -1, 0, 0
+        for i in range(n):
+            live += diff[i]
+            if live > best:
+                best, best_step = live, i
+        return max(best, 0), best_step
+
+
+class _Gradients:
+    """Gradient buffers: contributions, their sum, and when they are consumed."""
+
+    def __init__(self, graph, timeline):
+        self.graph = graph
+        self.timeline = timeline
+        self.expected = _contribution_counts(graph)
+        self.arrived = {}
+        self.parts = {}
+        self.total = {}
+
+    def seed(self, tid, step):
+        self._contribute(tid, self.graph.size[tid], step, None)
+
+    def contribute(self, tid, nbytes, step, shares=None):
+        self._contribute(tid, nbytes, step, shares)
+
+    def _contribute(self, tid, nbytes, step, shares):
+        timeline = self.timeline
+        buffer = shares if shares is not None else timeline.buffer(step, nbytes)
+        parts = self.parts.setdefault(tid, [])
+        parts.append(buffer)
+        if len(parts) >= self.expected.get(tid, 1):
+            if len(parts) == 1:
+                self.total[tid] = buffer
+            else:
+                self.total[tid] = timeline.buffer(step, nbytes)
+            if self.graph.is_x[tid]:
+                timeline.use(self.total[tid], _FOREVER)
+
+    def consume(self, tid, step):
+        """Reads the gradient of `tid` at `step`; returns its buffer (or None)."""
+        buffer = self.total.get(tid)
+        if buffer is None:
+            for part in self.parts.get(tid, ()):  # not all arrived: read what did
+                self.timeline.use(part, step)
+            return None
+        self.timeline.use(buffer, step)
+        return buffer
+
+
+def _contribution_counts(graph):
+    counts = {}
+    for op, pairs in enumerate(graph.grad_inputs):
+        for tid, _ in pairs:
+            counts[tid] = counts.get(tid, 0) + 1
+    for tid, is_y in enumerate(graph.is_y):
+        if is_y:
+            counts[tid] = counts.get(tid, 0) + 1
+    return counts
+
+
+class MemoryModel:
+    """Predicts the peak of the plain and the rewritten step of one StepGraph."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.path_ops = [i for i, k in enumerate(graph.kind) if k in (REGION, KEPT)]
+        self.forward_flops = sum(graph.cost)
+        self._baseline = None
+
+    # -- public -------------------------------------------------------------------
+    def baseline(self):
+        """The step as tf.gradients builds it."""
+        if self._baseline is None:
+            self._baseline = self._simulate(None)
+        return self._baseline
+
+    def predict(self, checkpoints):
+        """The step as the rewrite builds it with these checkpoint tensor ids."""
+        return self._simulate(Segmentation(self.graph, checkpoints))
+
+    # -- simulation ---------------------------------------------------------------
+    def _simulate(self, segmentation):
+        graph, timeline = self.graph, _Timeline()
+        forward = self._forward(timeline)
+        gradients = _Gradients(graph, timeline)
+        start = timeline.step(("seed", None, None))
+        for tid, is_y in enumerate(graph.is_y):
+            if is_y:
+                gradients.seed(tid, start)
+        recompute = 0
+        if segmentation is None:
+            for op in reversed(self.path_ops):
+                self._gradient_step(op, forward, gradients, timeline, ("backward", op, None))
+        else:
+            recompute = self._segments(segmentation, forward, gradients, timeline)
+        peak, at = timeline.peak()
+        return Prediction(
+            peak_bytes=peak, resident_bytes=graph.resident_bytes(),
+            peak_at=self.describe(timeline.labels[at], segmentation),
+            recompute_flops=recompute, forward_flops=self.forward_flops,
+            checkpoint_bytes=0 if segmentation is None else sum(
+                graph.size[t] for t in segmentation.checkpoints),
+            segments=0 if segmentation is None else len(segmentation.order))
+
+    def _forward(self, timeline):
+        """Runs every forward op; returns the buffer of each tensor."""
+        graph = self.graph
+        buffers = [None] * len(graph.tensors)
+        for op, kind in enumerate(graph.kind):
+            step = 0 if kind == RESIDENT else timeline.step(("forward", op, None))
+            for tid in graph.inputs[op]:
+                timeline.use(buffers[tid], step)
+            for tid in graph.outputs[op]:
+                source = graph.alias_of[tid]
+                if source >= 0 and buffers[source] is not None:
+                    buffers[tid] = buffers[source]
+                else:
+                    buffers[tid] = timeline.buffer(step, graph.size[tid],
+                                                   _FOREVER if kind == RESIDENT else None)
+        return buffers
+
+    def _gradient_step(self, op, buffers, gradients, timeline, label):
+        graph = self.graph
+        step = timeline.step(label)
+        incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
+        for tid in graph.grad_reads[op]:
+            timeline.use(buffers[tid], step)
+        aliased = graph.alias_of[graph.outputs[op][0]] >= 0 if graph.outputs[op] else False
+        for tid, nbytes in graph.grad_inputs[op]:
+            shares = incoming[0] if aliased and incoming and incoming[0] is not None else None
+            gradients.contribute(tid, nbytes, step, shares)
+
+    def _segments(self, segmentation, forward, gradients, timeline):
+        """Each segment: its recomputation, then its backward. Returns recompute FLOPs."""
+        graph, recompute = self.graph, 0
+        for index, head in enumerate(segmentation.order):
+            ops = segmentation.ops[head]
+            executed = segmentation.executed(head)
+            local = {}
+            for op in ops:
+                if op not in executed:
+                    continue
+                recompute += graph.cost[op]
+                step = timeline.step(("recompute", op, index))
+                for tid in graph.inputs[op]:
+                    timeline.use(local.get(tid, forward[tid]), step)
+                for tid in graph.outputs[op]:
+                    source = graph.alias_of[tid]
+                    if source >= 0:
+                        local[tid] = local.get(source, forward[source])
+                    else:
+                        local[tid] = timeline.buffer(step, graph.size[tid])
+            view = _Overlay(local, forward)
+            for op in reversed(ops):
+                self._gradient_step(op, view, gradients, timeline, ("backward", op, index))
+        for op in reversed(segmentation.final_ops):
+            self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
+        return recompute
+
+    def describe(self, label, segmentation):
+        phase, op, index = label
+        if op is None:
+            return "start of the backward pass"
+        name = self.graph.ops[op].name
+        if phase == "forward":
+            return f"forward pass, at {name}"
+        if phase == "final":
+            return f"gradients through ops that are not recomputed, at {name}"
+        if segmentation is None or index is None:
+            return f"backward pass, gradient of {name}"
+        where = f"segment {index + 1} of {len(segmentation.order)}"
+        if phase == "recompute":
+            return f"recomputation of {where}, at {name}"
+        return f"backward of {where}, gradient of {name}"
+
+
+class _Overlay:
+    """Recomputed buffers of a segment over the forward ones."""
+
+    def __init__(self, local, forward):
+        self.local = local
+        self.forward = forward
+
+    def __getitem__(self, tid):
+        buffer = self.local.get(tid)
+        return self.forward[tid] if buffer is None else buffer

@@ -1,0 +1,136 @@
+"""What the planner knows about each op type: what its gradient reads, whether its
+output shares its input's buffer, and how much it costs to run again.
+
+Facts are by op type (never by name). They describe TensorFlow's registered
+gradient functions (tensorflow/python/ops/*_grad.py): an op whose gradient reads
+only its outputs (Relu, Tanh, Softmax) lets the forward free its inputs; one whose
+gradient reads nothing but shapes (Add, Reshape, Sum) keeps nothing alive. An op
+type not listed here is assumed to read all its inputs and outputs, which can only
+over-predict memory.
+"""
+
+import math
+
+import numpy as np
+
+# Gradient reads nothing of the forward pass but static shapes.
+_READS_NOTHING = frozenset([
+    "Add", "AddV2", "AddN", "Sub", "Neg", "Identity", "IdentityN", "Snapshot", "StopGradient",
+    "Reshape", "Squeeze", "ExpandDims", "Transpose", "ConjugateTranspose", "BiasAdd",
+    "BiasAddV1", "Sum", "Mean", "ConcatV2", "Concat", "Pack", "Unpack", "Split", "SplitV",
+    "Slice", "StridedSlice", "Tile", "Pad", "PadV2", "MirrorPad", "Cast", "ZerosLike",
+    "OnesLike", "Fill", "BroadcastTo", "AvgPool", "AvgPool3D", "PreventGradient",
+    "ReadVariableOp", "Shape", "Size", "Rank", "ShapeN", "Sign", "Floor", "Ceil", "Round",
+    "EnsureShape", "CheckNumerics", "DepthToSpace", "SpaceToDepth", "Reverse", "ReverseV2",
+])
+
+# Gradient reads the op's outputs only.
+_READS_OUTPUTS = frozenset([
+    "Relu", "Relu6", "Elu", "Selu", "Tanh", "Sigmoid", "Exp", "Sqrt", "Rsqrt", "Reciprocal",
+    "Inv", "Softmax", "LogSoftmax", "Expm1",
+])
+
+# Gradient reads specific inputs/outputs: (input indices, output indices).
+_READS = {
+    "MatMul": ((0, 1), ()), "BatchMatMul": ((0, 1), ()), "BatchMatMulV2": ((0, 1), ()),
+    "BatchMatMulV3": ((0, 1), ()), "Einsum": ((0, 1), ()),
+    "Conv2D": ((0, 1), ()), "Conv3D": ((0, 1), ()), "DepthwiseConv2dNative": ((0, 1), ()),
+    "Conv2DBackpropInput": ((1, 2), ()),
+    "Mul": ((0, 1), ()), "RealDiv": ((0, 1), ()), "Div": ((0, 1), ()), "DivNoNan": ((0, 1), ()),
+    "Maximum": ((0, 1), ()), "Minimum": ((0, 1), ()), "SquaredDifference": ((0, 1), ()),
+    "Pow": ((0, 1), (0,)), "Square": ((0,), ()), "Log": ((0,), ()), "Log1p": ((0,), ()),
+    "Sin": ((0,), ()), "Cos": ((0,), ()), "Abs": ((0,), ()), "Erf": ((0,), ()),
+    "Softplus": ((0,), ()), "LeakyRelu": ((0,), ()), "Atan": ((0,), ()),
+    "Select": ((0,), ()), "SelectV2": ((0,), ()),
+    "MaxPool": ((0,), (0,)), "MaxPoolV2": ((0,), (0,)), "MaxPool3D": ((0,), (0,)),
+    "Max": ((0,), (0,)), "Min": ((0,), (0,)), "Prod": ((0,), ()),
+    "FusedBatchNorm": ((0, 1), (3, 4)), "FusedBatchNormV2": ((0, 1), (3, 4)),
+    "FusedBatchNormV3": ((0, 1), (3, 4, 5)),
+    "SoftmaxCrossEntropyWithLogits": ((), (1,)),
+    "SparseSoftmaxCrossEntropyWithLogits": ((), (1,)),
+    "L2Loss": ((0,), ()),
+    "GatherV2": ((1,), ()), "Gather": ((1,), ()), "ResourceGather": ((1,), ()),
+}
+_READS.update({t: ((), ()) for t in _READS_NOTHING if t not in _READS})
+
+# Outputs that share the buffer of input 0 (no new memory) when the kernel runs.
+ALIAS_OP_TYPES = frozenset([
+    "Identity", "Snapshot", "StopGradient", "Reshape", "Squeeze", "ExpandDims",
+    "EnsureShape", "CheckNumerics", "PreventGradient", "ReadVariableOp",
+])
+
+# Ops whose cost is dominated by multiply-adds; everything else costs one unit per
+# output element (elementwise, batch norm, reductions, data movement).
+_MATMUL_LIKE = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
+_CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"])
+
+
+def gradient_reads(op_type, num_inputs, num_outputs):
+    """The forward tensors the gradient of an op of `op_type` reads.
+
+    Returns:
+      (input indices, output indices). Unknown op types read everything.
+    """
+    reads = _READS.get(op_type)
+    if reads is None:
+        if op_type in _READS_OUTPUTS:
+            return (), tuple(range(num_outputs))
+        return tuple(range(num_inputs)), tuple(range(num_outputs))
+    inputs, outputs = reads
+    return (tuple(i for i in inputs if i < num_inputs),
+            tuple(i for i in outputs if i < num_outputs))
+
+
+def _elements(shape):
+    dims = [1 if d is None else d for d in shape]
+    return int(np.prod(dims, dtype=np.int64)) if dims else 1
+
+
+def flops(op):
+    """Estimated cost of running `op` once, in floating-point operations.
+
+    Matmuls and convolutions count 2 per multiply-add; other ops one per output
+    element. Unknown dimensions count as 1.
+    """
+    outputs = [t.shape for t in op.outputs if t.shape.rank is not None]
+    out_elements = sum(_elements(s.as_list()) for s in outputs)
+    if op.type in _MATMUL_LIKE and op.inputs and op.inputs[0].shape.rank:
+        a = op.inputs[0].shape.as_list()
+        transpose_a = _attr(op, "transpose_a") or _attr(op, "adj_x")
+        inner = a[-2] if transpose_a else a[-1]
+        return 2 * out_elements * (inner or 1)
+    if op.type in _CONV_LIKE and len(op.inputs) > 1 and op.inputs[1].shape.rank:
+        kernel = op.inputs[1].shape.as_list()
+        if op.type == "DepthwiseConv2dNative":
+            window = _elements(kernel[:-2])
+        elif op.type == "Conv2DBackpropInput":
+            window = _elements(kernel[:-2]) * (kernel[-1] or 1)
+        else:
+            window = _elements(kernel[:-1])
+        return 2 * out_elements * window
+    if op.type == "Einsum":
+        return _einsum_flops(op, out_elements)
+    return out_elements
+
+
+def _einsum_flops(op, out_elements):
+    """2 x the product of every distinct index's size (a contraction's multiply-adds)."""
+    equation = _attr(op, "equation")
+    if not equation or "->" not in equation or "." in equation:
+        return out_elements
+    operands = equation.split("->")[0].split(",")
+    sizes = {}
+    for letters, t in zip(operands, op.inputs):
+        if t.shape.rank is None or len(letters) != t.shape.rank:
+            return out_elements
+        for letter, d in zip(letters, t.shape.as_list()):
+            sizes[letter] = max(sizes.get(letter, 1), d or 1)
+    return 2 * math.prod(sizes.values())
+
+
+def _attr(op, name):
+    try:
+        value = op.get_attr(name)
+    except ValueError:
+        return None
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,117 @@
+"""Segments of a plan: which recomputed segment copies each region op.
+
+A segment copies everything between its checkpoint (or the ys, for the last
+segment) and the checkpoints below it. If a tensor that is not a checkpoint is
+read by the ops of two segments, both would copy it and everything above it down
+to the next checkpoint; on an unkept residual stream every segment would re-walk
+the stream to the start (quadratic recomputation). `Segmentation` therefore also
+keeps the tensors read by several segments (found in one reverse pass), so every
+region op is copied by exactly one segment.
+
+This is the one place that decides segments: the memory model simulates them
+and the rewrite (memsave.rewrite) builds them.
+"""
+
+from memsave.planner.graph import KEPT, REGION
+
+LAST = -1       # the segment that ends at the ys
+_SEVERAL = -2   # read by more than one segment
+
+
+def _merge(a, b):
+    if a is None:
+        return b
+    if b is None or a == b:
+        return a
+    return _SEVERAL
+
+
+class Segmentation:
+    """The segments of one plan over a StepGraph.
+
+    Attributes:
+      checkpoints: tensor ids kept (the plan's, plus `shared`).
+      shared: tensor ids added because several segments read them.
+      segment_of: region op id -> the head op of its segment (LAST for the last).
+      order: segment heads in the order the backward pass runs them (LAST first).
+      ops: head -> region op ids of that segment, producers first.
+      final_ops: path op ids differentiated by the final call through the original
+        ops (ops that are not recomputed, and what their gradients reach).
+    """
+
+    def __init__(self, graph, checkpoints):
+        self.graph = graph
+        self.checkpoints = set(checkpoints)
+        self.shared = []
+        self.segment_of = {}
+        self._assign()
+        self.ops = {}
+        loose = []
+        for op in graph.region_op_ids():
+            head = self.segment_of.get(op)
+            if head is None or head == _SEVERAL:
+                loose.append(op)
+            else:
+                self.ops.setdefault(head, []).append(op)
+        heads = sorted((h for h in self.ops if h != LAST), reverse=True)
+        self.order = ([LAST] if LAST in self.ops else []) + heads
+        self.final_ops = self._final_ops(loose)
+        self._executed = {}
+
+    def _assign(self):
+        """One reverse pass: each op's segment; tensors several segments read are kept."""
+        graph, kept = self.graph, self.checkpoints
+        heads = {graph.producer[t] for t in kept}
+        for op in reversed(graph.region_op_ids()):
+            needs = [(t, self._need(t)) for t in graph.outputs[op] if t not in kept]
+            segment = op if op in heads else None
+            for _, need in needs:
+                segment = _merge(segment, need)
+            if segment == _SEVERAL:
+                promotable = [t for t, need in needs if need is not None and not graph.is_y[t]]
+                self.shared.extend(promotable)
+                kept.update(promotable)
+                if promotable:
+                    heads.add(op)
+                if not any(need is not None and graph.is_y[t] for t, need in needs):
+                    segment = op
+            self.segment_of[op] = segment
+
+    def _need(self, t):
+        graph = self.graph
+        need = LAST if graph.is_y[t] else None
+        for consumer in graph.consumers[t]:
+            if graph.kind[consumer] == REGION:
+                need = _merge(need, self.segment_of.get(consumer))
+        return need
+
+    def _final_ops(self, loose):
+        """Ops not recomputed and the region ops their gradients reach, producers first."""
+        graph = self.graph
+        final = set(loose) | {op for op, kind in enumerate(graph.kind) if kind == KEPT}
+        stack = [op for op, kind in enumerate(graph.kind) if kind == KEPT]
+        while stack:
+            op = stack.pop()
+            for tid, _ in graph.grad_inputs[op]:
+                producer = graph.producer[tid]
+                if graph.kind[producer] == REGION and producer not in final:
+                    final.add(producer)
+                    stack.append(producer)
+        return sorted(final)
+
+    def executed(self, head):
+        """Region op ids of segment `head` whose copies run: those whose outputs some
+        gradient of the segment reads (directly or through other copies)."""
+        result = self._executed.get(head)
+        if result is not None:
+            return result
+        graph, ops = self.graph, self.ops[head]
+        members = set(ops)
+        needed = {t for op in ops for t in graph.grad_reads[op] if graph.producer[t] in members}
+        result = set()
+        for op in reversed(ops):
+            if any(t in needed for t in graph.outputs[op]):
+                result.add(op)
+                needed.update(t for t in graph.inputs[op] if graph.producer[t] in members)
+        self._executed[head] = result
+        return result
