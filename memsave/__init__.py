@@ -12,8 +12,9 @@ _check_tensorflow_version()
 from memsave.errors import MemsaveError  # noqa: E402
 from memsave.errors import MemsaveWarning  # noqa: E402
 from memsave.rewrite import (  # noqa: E402
-    gradients, gradients_collection, gradients_memory, gradients_speed, plan)
-from memsave.strategies import CHECKPOINT_COLLECTION, STRATEGIES, mark_checkpoint  # noqa: E402
+    always_rewrite, gradients, gradients_collection, gradients_memory, gradients_speed, plan)
+from memsave.strategies import (  # noqa: E402
+    CHECKPOINT_COLLECTION, STRATEGIES, budget, mark_checkpoint)
 from memsave.report import RewriteReport, last_report  # noqa: E402
 from memsave.integrations.optimizers import MemsaveOptimizer, gradient_function  # noqa: E402
 from memsave.integrations.patch import patch  # noqa: E402
@@ -24,7 +25,7 @@ __all__ = [
     "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
     "mark_checkpoint", "CHECKPOINT_COLLECTION", "STRATEGIES", "MemsaveError",
     "RewriteReport", "last_report", "plan", "MemsaveWarning",
-    "patch", "gradient_function", "MemsaveOptimizer",
+    "patch", "gradient_function", "MemsaveOptimizer", "budget", "always_rewrite",
 ]
 
 

@@ -43,7 +43,12 @@ class SegmentInfo:
 class RewriteReport:
     """What memsave chose for one gradients call.
 
-    Sizes are static estimates (unknown dimensions count as 1).
+    Sizes are static estimates (unknown dimensions count as 1). Peaks are the
+    memory model's (memsave.planner.memory): `predicted_peak_bytes` for this
+    plan, `baseline_peak_bytes` for plain tf.gradients on the same step, both
+    including `resident_bytes` (inputs, constants, variables); `peak_at` says
+    where in the step the peak falls. `recompute_flops` is the estimated cost of
+    the recomputed copies, `forward_flops` that of one forward pass of the region.
     """
     strategy: str
     region_ops: int
@@ -52,6 +57,13 @@ class RewriteReport:
     not_recomputable: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
     segments: List[SegmentInfo] = dataclasses.field(default_factory=list)
     fallback: Optional[str] = None
+    predicted_peak_bytes: Optional[int] = None
+    peak_at: Optional[str] = None
+    baseline_peak_bytes: Optional[int] = None
+    baseline_peak_at: Optional[str] = None
+    resident_bytes: Optional[int] = None
+    recompute_flops: int = 0
+    forward_flops: int = 0
 
     @property
     def kept_bytes(self):
@@ -65,14 +77,31 @@ class RewriteReport:
     def recomputed_bytes(self):
         return sum(s.recomputed_bytes for s in self.segments)
 
+    @property
+    def recompute_fraction(self):
+        """Recomputation as a fraction of one forward pass (0 when nothing is recomputed)."""
+        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+
     def summary(self):
         if self.fallback:
-            return f"memsave: plain tf.gradients used ({self.fallback})"
+            return f"memsave: plain tf.gradients used ({self.fallback}){self._peaks()}"
+        largest = sorted(self.checkpoints, key=lambda c: -c.bytes)[:3]
         return (f"memsave: strategy {self.strategy}: {len(self.checkpoints)} checkpoints "
-                f"({_mb(self.kept_bytes)} kept) over a region of {self.region_ops} ops; "
-                f"{len(self.segments)} segments recompute {self.copied_ops} ops "
-                f"({_mb(self.recomputed_bytes)}); {len(self.not_recomputable)} ops kept as "
-                "not recomputable")
+                f"({_mb(self.kept_bytes)} kept; largest "
+                f"{', '.join(f'{c.name} {_mb(c.bytes)}' for c in largest)}) over a region of "
+                f"{self.region_ops} ops; {len(self.segments)} segments recompute "
+                f"{self.copied_ops} ops ({_mb(self.recomputed_bytes)}), about "
+                f"{self.recompute_fraction:.0%} of a forward pass; {len(self.not_recomputable)} "
+                f"ops kept as not recomputable{self._peaks()}")
+
+    def _peaks(self):
+        if self.predicted_peak_bytes is None:
+            return ""
+        text = (f"; predicted peak {_mb(self.predicted_peak_bytes)} vs tf.gradients' "
+                f"{_mb(self.baseline_peak_bytes)}")
+        if self.baseline_peak_bytes:
+            text += f" ({self.predicted_peak_bytes / self.baseline_peak_bytes:.2f}x)"
+        return text + f", at {self.peak_at}"
 
     def format(self):
         """A readable table of checkpoints and segments."""

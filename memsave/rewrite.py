@@ -26,19 +26,21 @@ proportional to its segment, not to the whole graph.
 
 import contextlib
 import logging
+import threading
 import warnings
 
 import tensorflow as tf
 
-from memsave import aggregate, inputs, segments
+from memsave import aggregate, inputs, planner
 from memsave import report as report_lib
 from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops
 from memsave.graph.transform import copy_with_input_replacements
-from memsave.strategies.base import Choice
+from memsave.planner.segments import Segmentation
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion, estimated_bytes
 from memsave.strategies import Choice
+from memsave.strategies.planned import PLAIN
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +52,34 @@ _tf_gradients = tf.compat.v1.gradients
 # tf.function (that is slow, and would turn its Python `if`s into graph conditionals).
 _graph_code = tf.autograph.experimental.do_not_convert
 
+# `checkpoints` when the caller did not pass it: 'collection', but a fallback to plain
+# tf.gradients is then not worth a warning.
+_DEFAULT = type("_DefaultCheckpoints", (), {"__repr__": lambda self: "'collection'"})()
+
+# A plan must predict at least this much less than tf.gradients to be used.
+_MIN_PREDICTED_SAVING = 0.02
+
+_switches = threading.local()
+
+
+@contextlib.contextmanager
+def always_rewrite(enabled=True):
+    """Within this context, build the rewrite even where the memory model predicts no
+    saving (normally memsave then uses plain tf.gradients). For tests and debugging
+    of the rewrite on small graphs; restores the previous setting on exit.
+    """
+    previous = getattr(_switches, "always_rewrite", False)
+    _switches.always_rewrite = enabled
+    try:
+        yield
+    finally:
+        _switches.always_rewrite = previous
+
 _PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_with_ops")
 
 
 @_graph_code
-def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
+def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, **kwargs):
     """Gradients of `ys` with respect to `xs`, keeping only checkpoint activations.
 
     A drop-in replacement for `tf.gradients`, for tf.compat.v1 graphs and
@@ -77,7 +102,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
     ys, graph = inputs.normalise_ys(ys)
     xs = inputs.normalise_xs(xs, graph)
     grad_ys = inputs.normalise_grad_ys(grad_ys, ys)
-    strategy, strategy_name = inputs.resolve_strategy(checkpoints, graph)
+    strategy, strategy_name = inputs.resolve_strategy(
+        "collection" if checkpoints is _DEFAULT else checkpoints, graph)
     options = _Options(kwargs, graph)
     with graph.as_default():
         region = ForwardRegion.build(ys, xs)
@@ -86,14 +112,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **kwargs):
                                "computed from the variables/tensors passed as xs")
         kept, dropped = _select_checkpoints(strategy(region), region)
         kept = _with_shared_tensors(kept, region)
-        report = report_lib.RewriteReport(
-            strategy=strategy_name, region_ops=len(region),
-            checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in kept],
-            dropped=dropped,
-            not_recomputable=[(op.name, why) for op, why in region.kept_ops])
-        if not kept:
-            report.fallback = _no_checkpoints_message(strategy_name, region)
-            warnings.warn(report.fallback, MemsaveWarning, stacklevel=2)
+        report = _report(strategy_name, region, kept, dropped)
+        if not kept or report.fallback:
+            _explain_fallback(report, region, strategy_name, explicit=checkpoints is not _DEFAULT)
             result = _tf_gradients(ys, xs, grad_ys=grad_ys, **kwargs)
         else:
             with tf.name_scope(options.name):
@@ -136,10 +157,56 @@ def plan(ys, xs, checkpoints="collection"):
         warnings.simplefilter("ignore", MemsaveWarning)
         kept, dropped = _select_checkpoints(strategy(region), region)
     kept = _with_shared_tensors(kept, region)
-    return report_lib.RewriteReport(
+    report = _report(strategy_name, region, kept, dropped)
+    if not kept and not report.fallback:
+        report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
+    return report
+
+
+def _report(strategy_name, region, kept, dropped):
+    """The RewriteReport of a plan, with the memory model's predictions.
+
+    Sets `fallback` when the plan is predicted to need no less than plain tf.gradients.
+    """
+    model = planner.model_of(region)
+    baseline = model.baseline()
+    report = report_lib.RewriteReport(
         strategy=strategy_name, region_ops=len(region),
         checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in kept],
-        dropped=dropped, not_recomputable=[(op.name, why) for op, why in region.kept_ops])
+        dropped=dropped,
+        not_recomputable=[(op.name, why) for op, why in region.kept_ops],
+        baseline_peak_bytes=baseline.peak_bytes, baseline_peak_at=baseline.peak_at,
+        resident_bytes=baseline.resident_bytes)
+    if not kept:
+        report.predicted_peak_bytes = baseline.peak_bytes
+        report.peak_at = baseline.peak_at
+        return report
+    prediction = model.predict([model.graph.id_of(c.tensor) for c in kept])
+    report.predicted_peak_bytes = prediction.peak_bytes
+    report.peak_at = prediction.peak_at
+    report.recompute_flops = prediction.recompute_flops
+    report.forward_flops = prediction.forward_flops
+    if (prediction.peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline.peak_bytes
+            and not getattr(_switches, "always_rewrite", False)):
+        report.fallback = (
+            f"memsave: strategy {strategy_name!r} is predicted to peak at "
+            f"{prediction.peak_bytes / 2**20:.1f} MB, not below tf.gradients' "
+            f"{baseline.peak_bytes / 2**20:.1f} MB, so plain tf.gradients was used")
+    return report
+
+
+def _explain_fallback(report, region, strategy_name, explicit):
+    """Says why plain tf.gradients is used: a warning only where the caller asked for
+    something memsave could not honour (a checkpoint list or strategy they passed)."""
+    if not report.fallback:
+        report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
+        if region.cache.get(PLAIN):
+            logger.info("%s", report.fallback)
+            return
+    if explicit:
+        warnings.warn(report.fallback, MemsaveWarning, stacklevel=4)
+    else:
+        logger.info("%s", report.fallback)
 
 
 class _Options:
@@ -213,13 +280,16 @@ def _as_choices(choices, region):
 
 
 def _with_shared_tensors(kept, region):
-    """Step 2b: adds the tensors several segments would recompute (memsave.segments)."""
-    shared = segments.shared_tensors(region, [c.tensor for c in kept])
+    """Step 2b: adds the tensors several segments would recompute (memsave.planner.segments)."""
+    if not kept:
+        return kept
+    graph = planner.model_of(region).graph
+    shared = Segmentation(graph, [graph.id_of(c.tensor) for c in kept]).shared
     if not shared:
         return kept
     logger.debug("memsave: keeping %d tensors read by several segments", len(shared))
-    kept = kept + [Choice(t, "read by several segments: kept so it is recomputed once")
-                   for t in shared]
+    kept = kept + [Choice(graph.tensors[t], "read by several segments: kept so it is recomputed "
+                          "once") for t in shared]
     kept.sort(key=lambda c: region.position[c.tensor.op])
     return kept
 

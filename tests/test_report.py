@@ -24,9 +24,13 @@ def test_plan_reports_without_touching_the_graph():
         report = memsave.plan(loss, x, "memory")
         assert len(graph.get_operations()) == before
     assert report.region_ops == 17
-    assert len(report.checkpoints) == 4
+    # 16 equal tensors in a chain: the lowest predicted peak keeps about sqrt(16) of them.
+    assert 4 <= len(report.checkpoints) <= 5
     assert all(c.bytes == 64 * 64 * 4 and c.dtype == "float32" for c in report.checkpoints)
-    assert report.kept_bytes == 4 * 64 * 64 * 4
+    assert report.kept_bytes == len(report.checkpoints) * 64 * 64 * 4
+    assert report.predicted_peak_bytes < 0.6 * report.baseline_peak_bytes
+    assert "segment" in report.peak_at and report.baseline_peak_at.startswith("backward pass")
+    assert 0 < report.recompute_fraction <= 1
     assert not report.segments
 
 
@@ -43,7 +47,8 @@ def test_report_counts_segments_and_recomputed_bytes(caplog):
     for c in report.checkpoints:
         assert c.name in text
     assert "recomputed segments" in text
-    assert any(r.levelno == logging.INFO and "4 checkpoints" in r.getMessage() for r in caplog.records)
+    assert any(r.levelno == logging.INFO and f"{len(report.checkpoints)} checkpoints" in r.getMessage()
+               and "predicted peak" in r.getMessage() for r in caplog.records)
     assert any(r.levelno == logging.DEBUG and "kept (checkpoints)" in r.getMessage()
                for r in caplog.records)
 

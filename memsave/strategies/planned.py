@@ -1,0 +1,101 @@
+"""Strategies founded on the memory model (memsave.planner).
+
+- `lowest_peak()` ('memory'): the checkpoints that minimise the step's predicted
+  peak, ties going to less recomputation;
+- `budget(limit)`: the least recomputation whose predicted peak fits in `limit`
+  bytes (an int) or in that fraction of plain tf.gradients' predicted peak.
+"""
+
+import numbers
+
+from memsave import planner
+from memsave.errors import MemsaveError
+from memsave.planner import search
+from memsave.strategies.base import Choice
+from memsave.strategies.speed import EXPENSIVE_OP_TYPES
+
+PLAIN = "plain"  # region.cache key: why plain tf.gradients is the better plan
+
+
+def _mb(n):
+    return f"{n / 2**20:.1f} MB"
+
+
+def _choices(model, plan, reason):
+    graph = model.graph
+    return [Choice(graph.tensors[t], reason) for t in plan]
+
+
+def lowest_peak():
+    """A strategy keeping the checkpoints with the lowest predicted peak."""
+    def strategy(region):
+        model = planner.model_of(region)
+        best = search.minimise_peak(model)
+        if best is None:
+            return []
+        prediction, plan = best
+        return _choices(model, plan, f"lowest predicted peak ({_mb(prediction.peak_bytes)} "
+                                     f"with {len(plan)} checkpoints)")
+    strategy.__name__ = "lowest_peak"
+    return strategy
+
+
+class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=memsave.budget(...))
+    """A strategy: the least recomputation whose predicted peak fits in `limit`.
+
+    Usable wherever `checkpoints=` is accepted: memsave.gradients(loss, xs,
+    checkpoints=memsave.budget(0.5)).
+
+    Args:
+      limit: bytes (an int > 0), or a fraction in (0, 1] of plain tf.gradients'
+        predicted peak for the same step.
+    Raises:
+      MemsaveError: for a bad limit (here), and, when the gradients are built,
+        for a limit that no plan meets (naming the smallest reachable peak).
+    """
+
+    def __init__(self, limit):
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
+            raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int, e.g. 512 * 2**20) "
+                               "or a fraction in (0, 1] of tf.gradients' peak (e.g. 0.5)")
+        if isinstance(limit, numbers.Integral) and limit > 1:
+            self.limit = int(limit)
+        elif 0 < limit <= 1:
+            self.limit = float(limit)
+        else:
+            raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int > 1) or a fraction "
+                               "in (0, 1] of tf.gradients' peak (e.g. 0.5)")
+        self.__name__ = f"budget({self.limit!r})"
+
+    def __repr__(self):
+        return f"memsave.budget({self.limit!r})"
+
+    def limit_bytes(self, model):
+        if isinstance(self.limit, float):
+            return int(self.limit * model.baseline().peak_bytes)
+        return self.limit
+
+    def __call__(self, region):
+        model = planner.model_of(region)
+        limit = self.limit_bytes(model)
+        baseline = model.baseline()
+        if baseline.peak_bytes <= limit:
+            region.cache[PLAIN] = (f"tf.gradients' predicted peak {_mb(baseline.peak_bytes)} "
+                                   f"fits the budget of {_mb(limit)}: nothing to recompute")
+            return []
+        graph = model.graph
+        expensive = [t for op in graph.region_op_ids()
+                     if graph.ops[op].type in EXPENSIVE_OP_TYPES for t in graph.outputs[op]
+                     if graph.tensors[t].dtype.is_floating and not graph.is_y[t]]
+        best = search.within_budget(model, limit, expensive)
+        if best is None:
+            lowest = search.minimise_peak(model)
+            reachable = lowest[0].peak_bytes if lowest else baseline.peak_bytes
+            raise MemsaveError(
+                f"the budget of {_mb(limit)} cannot be met: the smallest predicted peak memsave "
+                f"can reach on this graph is {_mb(reachable)} (tf.gradients: "
+                f"{_mb(baseline.peak_bytes)}); raise the budget to at least {_mb(reachable)} or "
+                "use checkpoints='memory'")
+        prediction, plan = best
+        return _choices(model, plan, f"within budget {_mb(limit)} (predicted peak "
+                                     f"{_mb(prediction.peak_bytes)})")
