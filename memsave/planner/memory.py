@@ -42,6 +42,8 @@ class Prediction:
       forward_flops: estimated cost of the region's forward pass, for scale.
       checkpoint_bytes: bytes of the checkpoints kept.
       segments: number of recomputed segments.
+      breakdown: bytes alive at the peak by kind ('resident', 'forward',
+        'recomputed', 'gradients', 'gradients of xs').
     """
     peak_bytes: int
     resident_bytes: int
@@ -50,6 +52,7 @@ class Prediction:
     forward_flops: int = 0
     checkpoint_bytes: int = 0
     segments: int = 0
+    breakdown: Optional[dict] = None
 
     @property
     def recompute_fraction(self):
@@ -62,17 +65,26 @@ class _Timeline:
 
     def __init__(self):
         self.labels = []
-        self.starts, self.ends, self.bytes = [], [], []
+        self.starts, self.ends, self.bytes, self.kinds = [], [], [], []
 
     def step(self, label):
         self.labels.append(label)
         return len(self.labels) - 1
 
-    def buffer(self, start, nbytes, end=None):
+    def buffer(self, start, nbytes, kind, end=None):
         self.starts.append(start)
         self.ends.append(start if end is None else end)
         self.bytes.append(nbytes)
+        self.kinds.append(kind)
         return len(self.bytes) - 1
+
+    def live_at(self, step):
+        """Bytes alive at `step`, by kind of buffer."""
+        result = {}
+        for start, end, nbytes, kind in zip(self.starts, self.ends, self.bytes, self.kinds):
+            if start <= step <= end and nbytes:
+                result[kind] = result.get(kind, 0) + nbytes
+        return result
 
     def use(self, buffer, step):
         if buffer is not None and self.ends[buffer] < step:
@@ -112,14 +124,15 @@ class _Gradients:
 
     def _contribute(self, tid, nbytes, step, shares):
         timeline = self.timeline
-        buffer = shares if shares is not None else timeline.buffer(step, nbytes)
+        kind = "gradients of xs" if self.graph.is_x[tid] else "gradients"
+        buffer = shares if shares is not None else timeline.buffer(step, nbytes, kind)
         parts = self.parts.setdefault(tid, [])
         parts.append(buffer)
         if len(parts) >= self.expected.get(tid, 1):
             if len(parts) == 1:
                 self.total[tid] = buffer
             else:
-                self.total[tid] = timeline.buffer(step, nbytes)
+                self.total[tid] = timeline.buffer(step, nbytes, kind)
             if self.graph.is_x[tid]:
                 timeline.use(self.total[tid], _FOREVER)
 
@@ -187,7 +200,8 @@ class MemoryModel:
             recompute_flops=recompute, forward_flops=self.forward_flops,
             checkpoint_bytes=0 if segmentation is None else sum(
                 graph.size[t] for t in segmentation.checkpoints),
-            segments=0 if segmentation is None else len(segmentation.order))
+            segments=0 if segmentation is None else len(segmentation.order),
+            breakdown=timeline.live_at(at))
 
     def _forward(self, timeline):
         """Runs every forward op; returns the buffer of each tensor."""
@@ -202,8 +216,9 @@ class MemoryModel:
                 if source >= 0 and buffers[source] is not None:
                     buffers[tid] = buffers[source]
                 else:
-                    buffers[tid] = timeline.buffer(step, graph.size[tid],
-                                                   _FOREVER if kind == RESIDENT else None)
+                    buffers[tid] = timeline.buffer(
+                        step, graph.size[tid], "resident" if kind == RESIDENT else "forward",
+                        _FOREVER if kind == RESIDENT else None)
         return buffers
 
     def _gradient_step(self, op, buffers, gradients, timeline, label):
@@ -236,7 +251,7 @@ class MemoryModel:
                     if source >= 0:
                         local[tid] = local.get(source, forward[source])
                     else:
-                        local[tid] = timeline.buffer(step, graph.size[tid])
+                        local[tid] = timeline.buffer(step, graph.size[tid], "recomputed")
             view = _Overlay(local, forward)
             for op in reversed(ops):
                 self._gradient_step(op, view, gradients, timeline, ("backward", op, index))

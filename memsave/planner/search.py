@@ -13,8 +13,10 @@ by the one segment that reads them, so they never make a cut expensive.
 - `within_budget`: the least recomputation whose predicted peak fits a limit:
   those plans, each also with the outputs of expensive ops kept while they fit.
 
-On a region with at most EXACT_LIMIT candidate tensors both searches try every
-subset, so small graphs get the optimum of the model.
+On small regions the searches try every subset of the candidate tensors, so small
+graphs get the optimum of the model: up to EXACT_PEAK_LIMIT candidates for the
+lowest peak (which runs on every 'memory' call), up to EXACT_BUDGET_LIMIT for a
+budget (one model evaluation per subset: 2**14 of them take about a second).
 """
 
 import itertools
@@ -23,7 +25,8 @@ import numpy as np
 
 from memsave.planner.graph import REGION, RESIDENT
 
-EXACT_LIMIT = 14
+EXACT_PEAK_LIMIT = 10
+EXACT_BUDGET_LIMIT = 14
 _GRID = 24
 
 
@@ -152,10 +155,18 @@ def cut_plans(model, candidates):
     return plans
 
 
-def minimise_peak(model, extra_plans=()):
-    """(Prediction, checkpoint tensor ids) of the plan with the lowest predicted peak."""
+def minimise_peak(model, extra_plans=(), exact=None):
+    """(Prediction, checkpoint tensor ids) of the plan with the lowest predicted peak.
+
+    Args:
+      model: the MemoryModel.
+      extra_plans: more checkpoint lists to consider.
+      exact: try every subset (default: when there are few candidates).
+    """
     candidates = Candidates(model.graph)
-    if len(candidates.tensors) <= EXACT_LIMIT:
+    if exact is None:
+        exact = len(candidates.tensors) <= EXACT_PEAK_LIMIT
+    if exact:
         plans = _subsets(candidates.tensors)
     else:
         plans = itertools.chain(cut_plans(model, candidates), extra_plans)
@@ -169,7 +180,7 @@ def minimise_peak(model, extra_plans=()):
     return best
 
 
-def within_budget(model, limit_bytes, expensive):
+def within_budget(model, limit_bytes, expensive, exact=None):
     """(Prediction, checkpoint ids) of the least recomputation with peak <= limit_bytes,
     or None when no plan fits.
 
@@ -178,9 +189,12 @@ def within_budget(model, limit_bytes, expensive):
       limit_bytes: the budget.
       expensive: tensor ids worth keeping to save recomputation (outputs of
         matmuls and convolutions), in topological order.
+      exact: try every subset (default: when there are few candidates).
     """
     candidates = Candidates(model.graph)
-    if len(candidates.tensors) <= EXACT_LIMIT:
+    if exact is None:
+        exact = len(candidates.tensors) <= EXACT_BUDGET_LIMIT
+    if exact:
         plans = _subsets(candidates.tensors)
     else:
         plans = _budget_plans(model, candidates, expensive, limit_bytes)

@@ -1,0 +1,305 @@
+"""The planner: memory model peaks computed by hand, search optimality against brute
+force, budgets (errors, fallbacks), and the never-worse-than-tf.gradients rule."""
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave import planner
+from memsave.planner import search
+from memsave.region import ForwardRegion
+
+S = 256 * 256 * 4  # bytes of one [256, 256] float32 activation
+SUM_AXES = 8       # the int32 [2] constant reduce_sum reads, resident for the step
+
+
+def _tanh_chain(n, reshape=False):
+    """x -> tanh^n -> reduce_sum in a v1 graph; returns (model, tanh outputs)."""
+    x = tf.compat.v1.placeholder(tf.float32, [256, 256], name="x")
+    h, outs = x, []
+    for _ in range(n):
+        h = tf.tanh(h)
+        outs.append(h)
+        if reshape:  # shares its input's buffer: costs nothing
+            h = tf.reshape(tf.reshape(h, [-1]), [256, 256])
+    loss = tf.reduce_sum(h)
+    return planner.model_of(ForwardRegion.build([loss], [x])), outs, loss, x
+
+
+def _ids(model, tensors):
+    return [model.graph.id_of(t) for t in tensors]
+
+
+def test_baseline_peak_of_a_chain_is_every_activation_plus_two_gradients():
+    with tf.Graph().as_default():
+        model, _, _, _ = _tanh_chain(8)
+        prediction = model.baseline()
+    # At the gradient of the last tanh: x, the 8 tanh outputs (each tanh's gradient
+    # reads its output), the incoming gradient and the outgoing one.
+    assert prediction.peak_bytes == (8 + 3) * S + SUM_AXES
+    assert prediction.resident_bytes == S + SUM_AXES
+    assert prediction.peak_at == "backward pass, gradient of Tanh_7"
+    assert prediction.breakdown == {"resident": S + SUM_AXES, "forward": 8 * S, "gradients": 2 * S}
+
+
+def test_rewritten_peak_of_a_chain_with_one_checkpoint():
+    with tf.Graph().as_default():
+        model, outs, _, _ = _tanh_chain(8)
+        prediction = model.predict(_ids(model, [outs[3]]))
+    # Each half recomputes its 4 tanh outputs; at the gradient of its last tanh:
+    # x, the 4 recomputed outputs, the incoming and the outgoing gradient (the
+    # second half has dropped the checkpoint by then: its copies have read it).
+    assert prediction.peak_bytes == 7 * S + SUM_AXES
+    assert prediction.segments == 2
+    assert prediction.checkpoint_bytes == S
+    assert prediction.recompute_flops == 8 * 256 * 256  # every tanh once; the sum's copy is pruned
+    assert prediction.forward_flops == 8 * 256 * 256 + 1
+
+
+def test_buffers_shared_by_reshapes_cost_nothing():
+    with tf.Graph().as_default():
+        plain, outs, _, _ = _tanh_chain(8)
+        plain_peaks = (plain.baseline().peak_bytes, plain.predict(_ids(plain, [outs[3]])).peak_bytes)
+    with tf.Graph().as_default():
+        reshaped, outs, _, _ = _tanh_chain(8, reshape=True)
+        peaks = (reshaped.baseline().peak_bytes,
+                 reshaped.predict(_ids(reshaped, [outs[3]])).peak_bytes)
+    shape_constants = 8 * (4 + 8)  # each pair of reshapes reads two small int32 shapes
+    assert [p - shape_constants for p in peaks] == list(plain_peaks)
+
+
+def test_gradient_read_rules_follow_the_op_type():
+    # relu(x @ w): MatMul's gradient reads x and w, Relu's reads its output, so the
+    # matmul output is freed in the forward pass; Mul's gradient reads both inputs.
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [256, 256])
+        w = tf.compat.v1.placeholder(tf.float32, [256, 256])
+        product = tf.matmul(x, w)
+        loss = tf.reduce_sum(tf.nn.relu(product) * x)
+        model = planner.model_of(ForwardRegion.build([loss], [w]))
+        graph = model.graph
+        reads = {graph.ops[op].type: {graph.tensors[t].name for t in graph.grad_reads[op]}
+                 for op in graph.region_op_ids()}
+    assert reads["MatMul"] == {x.name, w.name}
+    assert reads["Relu"] == {"Relu:0"}
+    assert reads["Mul"] == {"Relu:0", x.name}
+    assert reads["Sum"] == set()
+
+
+# -- search ------------------------------------------------------------------------------
+
+def _random_chain(rng, n_ops):
+    """A chain of `n_ops` region ops of random sizes and costs (matmuls to random
+    widths, elementwise ops between them), as a tf.function-free v1 graph."""
+    x = tf.compat.v1.placeholder(tf.float32, [64, 32])
+    h, width = x, 32
+    for i in range(n_ops - 1):
+        if rng.random() < 0.4:
+            new_width = int(rng.choice([8, 32, 96, 256]))
+            h = tf.matmul(h, tf.constant(rng.standard_normal([width, new_width]).astype(np.float32)))
+            width = new_width
+        else:
+            h = [tf.tanh, tf.sin, tf.nn.relu, tf.square][int(rng.integers(4))](h)
+    loss = tf.reduce_sum(h)
+    return planner.model_of(ForwardRegion.build([loss], [x]))
+
+
+def _random_dag(rng, n_ops):
+    """A DAG of elementwise ops and matmuls, each reading one or two earlier tensors."""
+    x = tf.compat.v1.placeholder(tf.float32, [64, 48])
+    tensors = [x]
+    for i in range(n_ops - 1):
+        a = tensors[int(rng.integers(len(tensors)))]
+        if rng.random() < 0.35 and len(tensors) > 1:
+            b = tensors[int(rng.integers(len(tensors)))]
+            tensors.append(a + b if rng.random() < 0.5 else a * b)
+        elif rng.random() < 0.3:
+            tensors.append(tf.matmul(a, tf.constant(rng.standard_normal([48, 48]).astype(np.float32))))
+        else:
+            tensors.append([tf.tanh, tf.sin, tf.nn.relu][int(rng.integers(3))](a))
+    loss = tf.add_n([tf.reduce_sum(t) for t in tensors[-3:]])
+    return planner.model_of(ForwardRegion.build([loss], [x]))
+
+
+def _brute_force(model, limit):
+    """Least recompute cost over every subset of candidate tensors with peak <= limit."""
+    tensors = search.Candidates(model.graph).tensors
+    best = None
+    for r in range(1, len(tensors) + 1):
+        for subset in itertools.combinations(tensors, r):
+            prediction = model.predict(list(subset))
+            if prediction.peak_bytes <= limit and (best is None or prediction.recompute_flops < best):
+                best = prediction.recompute_flops
+    return best
+
+
+def _lowest_peak_by_brute_force(model):
+    tensors = search.Candidates(model.graph).tensors
+    return min(model.predict(list(subset)).peak_bytes
+               for r in range(1, len(tensors) + 1) for subset in itertools.combinations(tensors, r))
+
+
+def _limit_between(model, fraction):
+    lowest = _lowest_peak_by_brute_force(model)
+    return int(lowest + fraction * (model.baseline().peak_bytes - lowest))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_budget_plan_on_a_chain_is_optimal(seed):
+    rng = np.random.default_rng(seed)
+    with tf.Graph().as_default():
+        model = _random_chain(rng, n_ops=int(rng.integers(10, 15)))
+        assert len(search.Candidates(model.graph).tensors) <= search.EXACT_BUDGET_LIMIT
+        limit = _limit_between(model, float(rng.uniform(0.1, 0.6)))
+        found = search.within_budget(model, limit, expensive=[])
+        assert found is not None
+        assert found[0].peak_bytes <= limit
+        assert found[0].recompute_flops == _brute_force(model, limit)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_budget_plan_on_a_dag_is_within_ten_percent_of_optimal(seed):
+    rng = np.random.default_rng(100 + seed)
+    with tf.Graph().as_default():
+        model = _random_dag(rng, n_ops=int(rng.integers(8, 15)))
+        limit = _limit_between(model, float(rng.uniform(0.1, 0.6)))
+        found = search.within_budget(model, limit, expensive=[])
+        assert found is not None and found[0].peak_bytes <= limit
+        assert found[0].recompute_flops <= 1.10 * _brute_force(model, limit)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lowest_peak_on_small_graphs_is_the_minimum(seed):
+    rng = np.random.default_rng(200 + seed)
+    with tf.Graph().as_default():
+        model = _random_chain(rng, n_ops=10)
+        prediction, _ = search.minimise_peak(model)
+        assert prediction.peak_bytes == _lowest_peak_by_brute_force(model)
+
+
+def test_greedy_search_on_a_long_chain_keeps_about_sqrt_n():
+    with tf.Graph().as_default():
+        model, outs, _, _ = _tanh_chain(64)
+        prediction, plan = search.minimise_peak(model)
+    assert 6 <= len(plan) <= 10
+    # x, ~8 checkpoints, ~8 recomputed tensors and two gradients: about 19 tensors.
+    assert prediction.peak_bytes <= 21 * S
+    assert prediction.peak_bytes < 0.3 * model.baseline().peak_bytes
+
+
+# -- budget --------------------------------------------------------------------------
+
+def _chain_graph(n=16):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [256, 256], name="x")
+        h = x
+        for _ in range(n):
+            h = tf.tanh(h)
+        loss = tf.reduce_sum(h)
+    return graph, loss, x
+
+
+@pytest.mark.planner_fallback
+def test_budget_that_cannot_be_met_raises_before_adding_ops():
+    graph, loss, x = _chain_graph()
+    with graph.as_default():
+        before = len(graph.get_operations())
+        with pytest.raises(memsave.MemsaveError, match=r"budget of 1\.0 MB cannot be met: the "
+                           r"smallest predicted peak memsave can reach on this graph is \d+\.\d MB"):
+            memsave.gradients(loss, [x], checkpoints=memsave.budget(2**20))
+        assert len(graph.get_operations()) == before
+
+
+@pytest.mark.planner_fallback
+def test_budget_that_plain_gradients_meet_recomputes_nothing():
+    graph, loss, x = _chain_graph()
+    with graph.as_default(), warnings.catch_warnings():
+        warnings.simplefilter("error", memsave.MemsaveWarning)
+        memsave.gradients(loss, [x], checkpoints=memsave.budget(1.0))
+    report = memsave.last_report()
+    assert report.fallback and "fits the budget" in report.fallback
+    assert not report.segments
+
+
+@pytest.mark.planner_fallback
+def test_smaller_budgets_never_predict_larger_peaks_and_cost_more():
+    graph, loss, x = _chain_graph(24)
+    previous = None
+    with graph.as_default():
+        for fraction in (0.8, 0.6, 0.5, 0.4):
+            report = memsave.plan(loss, [x], memsave.budget(fraction))
+            assert report.predicted_peak_bytes <= fraction * report.baseline_peak_bytes
+            if previous is not None:
+                assert report.predicted_peak_bytes <= previous.predicted_peak_bytes
+                assert report.recompute_flops >= previous.recompute_flops
+            previous = report
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, "half", None, True, float("nan")])
+def test_bad_budget_limits_are_refused(limit):
+    with pytest.raises(memsave.MemsaveError, match="budget limit is"):
+        memsave.budget(limit)
+
+
+def test_budget_gradients_equal_tf_gradients():
+    graph, loss, x = _chain_graph(20)
+    with graph.as_default():
+        expected = tf.gradients(loss, [x])
+        got = memsave.gradients(loss, [x], checkpoints=memsave.budget(0.5))
+        assert memsave.last_report().segments
+        with tf.compat.v1.Session() as session:
+            feed = {x: np.random.default_rng(0).uniform(-1, 1, [256, 256]).astype(np.float32)}
+            want, have = session.run([expected, got], feed)
+    np.testing.assert_allclose(have[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+# -- never worse than tf.gradients ----------------------------------------------------------
+
+def _conv_blocks(blocks=2):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 8])
+        rng = np.random.default_rng(0)
+        weights, h = [], x
+        for _ in range(blocks):
+            w = tf.Variable(rng.standard_normal([3, 3, 8, 8]).astype(np.float32) * 0.1)
+            weights.append(w)
+            h = h + tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
+        loss = tf.reduce_sum(h * h)
+    return graph, loss, weights
+
+
+@pytest.mark.planner_fallback
+def test_a_plan_predicted_to_save_nothing_falls_back_with_a_warning_when_asked_for():
+    graph, loss, weights = _conv_blocks()
+    with graph.as_default():
+        # Keeping every conv output of two blocks keeps more than tf.gradients does.
+        with pytest.warns(memsave.MemsaveWarning, match="not below tf.gradients'"):
+            memsave.gradients(loss, weights, checkpoints="speed")
+        report = memsave.last_report()
+        assert report.fallback and not report.segments
+        assert report.predicted_peak_bytes >= 0.98 * report.baseline_peak_bytes
+        assert "plain tf.gradients used" in report.summary()
+
+
+@pytest.mark.planner_fallback
+def test_default_strategy_falls_back_quietly():
+    graph, loss, weights = _conv_blocks()
+    with graph.as_default(), warnings.catch_warnings():
+        warnings.simplefilter("error", memsave.MemsaveWarning)
+        memsave.gradients(loss, weights)  # 'collection', nothing marked: quietly tf.gradients
+    assert memsave.last_report().fallback
+
+
+def test_always_rewrite_restores_the_previous_setting():
+    from memsave import rewrite
+    with memsave.always_rewrite(False):
+        assert not rewrite._switches.always_rewrite
+        with memsave.always_rewrite():
+            assert rewrite._switches.always_rewrite
+        assert not rewrite._switches.always_rewrite
