@@ -26,6 +26,7 @@ proportional to its segment, not to the whole graph.
 
 import contextlib
 import logging
+import os
 import threading
 import warnings
 
@@ -62,13 +63,25 @@ _MIN_PREDICTED_SAVING = 0.02
 _switches = threading.local()
 
 
+ALWAYS_REWRITE_ENV = "MEMSAVE_ALWAYS_REWRITE"
+
+
+def _always_rewrite():
+    setting = getattr(_switches, "always_rewrite", None)
+    if setting is None:
+        return os.environ.get(ALWAYS_REWRITE_ENV) == "1"
+    return setting
+
+
 @contextlib.contextmanager
 def always_rewrite(enabled=True):
     """Within this context, build the rewrite even where the memory model predicts no
     saving (normally memsave then uses plain tf.gradients). For tests and debugging
-    of the rewrite on small graphs; restores the previous setting on exit.
+    of the rewrite on small graphs; restores the previous setting on exit. Outside
+    any such context, the environment variable MEMSAVE_ALWAYS_REWRITE=1 does the same
+    (for child processes).
     """
-    previous = getattr(_switches, "always_rewrite", False)
+    previous = getattr(_switches, "always_rewrite", None)
     _switches.always_rewrite = enabled
     try:
         yield
@@ -187,7 +200,7 @@ def _report(strategy_name, region, kept, dropped):
     report.recompute_flops = prediction.recompute_flops
     report.forward_flops = prediction.forward_flops
     if (prediction.peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline.peak_bytes
-            and not getattr(_switches, "always_rewrite", False)):
+            and not _always_rewrite()):
         report.fallback = (
             f"memsave: strategy {strategy_name!r} is predicted to peak at "
             f"{prediction.peak_bytes / 2**20:.1f} MB, not below tf.gradients' "

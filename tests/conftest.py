@@ -110,13 +110,17 @@ def classic_graph():
 
 
 @pytest.fixture(autouse=True)
-def _rewrite_small_graphs(request):
+def _rewrite_small_graphs(request, monkeypatch):
     """Most tests check the rewrite itself on graphs too small to save memory, where
     memsave would fall back to plain tf.gradients; tests marked `planner_fallback`
-    see the default behaviour."""
+    see the default behaviour. Child processes inherit the setting through the
+    environment."""
     import memsave
+    from memsave.rewrite import ALWAYS_REWRITE_ENV
     if request.node.get_closest_marker("planner_fallback"):
+        monkeypatch.delenv(ALWAYS_REWRITE_ENV, raising=False)
         yield
         return
+    monkeypatch.setenv(ALWAYS_REWRITE_ENV, "1")
     with memsave.always_rewrite():
         yield

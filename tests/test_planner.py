@@ -296,10 +296,15 @@ def test_default_strategy_falls_back_quietly():
     assert memsave.last_report().fallback
 
 
-def test_always_rewrite_restores_the_previous_setting():
+@pytest.mark.planner_fallback
+def test_always_rewrite_restores_the_previous_setting(monkeypatch):
     from memsave import rewrite
-    with memsave.always_rewrite(False):
-        assert not rewrite._switches.always_rewrite
-        with memsave.always_rewrite():
-            assert rewrite._switches.always_rewrite
-        assert not rewrite._switches.always_rewrite
+    assert not rewrite._always_rewrite()
+    with memsave.always_rewrite():
+        assert rewrite._always_rewrite()
+        with memsave.always_rewrite(False):
+            assert not rewrite._always_rewrite()
+        assert rewrite._always_rewrite()
+    assert not rewrite._always_rewrite()
+    monkeypatch.setenv(rewrite.ALWAYS_REWRITE_ENV, "1")
+    assert rewrite._always_rewrite()

@@ -43,6 +43,8 @@ class StepGraph:
       grad_reads: per op, tensor ids its gradient reads.
       grad_inputs: per op, (input tensor id, gradient bytes) for inputs that receive
         a gradient (they depend on the xs).
+      grad_temporaries: per op, bytes of short-lived tensors its gradient makes
+        (output-sized products reduced to a broadcast input's size).
       cost: per op, estimated FLOPs of running it once.
       is_x, is_y: per tensor, booleans.
       unknown_dims: names of tensors whose size assumed an unknown dimension of 1.
@@ -51,7 +53,7 @@ class StepGraph:
     def __init__(self):
         self.ops, self.kind, self.inputs, self.outputs = [], [], [], []
         self.tensors, self.size, self.producer, self.consumers, self.alias_of = [], [], [], [], []
-        self.grad_reads, self.grad_inputs, self.cost = [], [], []
+        self.grad_reads, self.grad_inputs, self.grad_temporaries, self.cost = [], [], [], []
         self.is_x, self.is_y = [], []
         self.tensor_id = {}
         self.op_id = {}
@@ -92,6 +94,7 @@ class StepGraph:
         self.outputs.append(outputs)
         self.grad_reads.append([])
         self.grad_inputs.append([])
+        self.grad_temporaries.append(0)
         self.cost.append(opinfo.flops(op) if kind == REGION else 0)
 
     def _link(self, region):
@@ -130,17 +133,18 @@ class StepGraph:
         if len(ins) == len(op.inputs):
             self.grad_reads[index] = [ins[i] for i in reads_in if _is_data(self.tensors[ins[i]])]
         self.grad_reads[index] += [outs[i] for i in reads_out]
-        for tid in ins:
+        differentiated = []
+        for i, tid in enumerate(ins):
             t = self.tensors[tid]
             if not region.depends_on_xs(t):
                 continue
-            if t.dtype == tf.resource:
-                gradient = self.size[tid]        # the variable's gradient
-            elif t.dtype.is_floating or t.dtype.is_complex:
-                gradient = self.size[tid]
-            else:
-                continue
-            self.grad_inputs[index].append((tid, gradient))
+            # A resource input is a variable handle: its gradient is the variable's size.
+            if t.dtype == tf.resource or t.dtype.is_floating or t.dtype.is_complex:
+                self.grad_inputs[index].append((tid, self.size[tid]))
+                differentiated.append(i)
+        if outs and len(ins) == len(op.inputs):
+            self.grad_temporaries[index] = opinfo.gradient_temporaries(
+                op.type, [self.size[t] for t in ins], self.size[outs[0]], differentiated)
 
     # -- queries -----------------------------------------------------------------------
     def buffer_of(self, tid):

@@ -12,15 +12,20 @@ live from the step that makes them to the last step that reads them:
   a copy whose output nobody reads is never run (TensorFlow prunes it);
 - gradients: from the gradient op that makes them to the one that consumes
   them; a tensor read by k ops gets k contributions, summed when the last one
-  arrives; gradients of the xs live to the end of the step (they are returned).
+  arrives; gradients of the xs live to the end of the step (they are returned);
+- gradient temporaries: output-sized products that a gradient makes and reduces
+  at once (the gradient of x * scale with respect to a broadcast scale).
 
 Outputs that share their input's buffer (Reshape, Identity, variable reads)
 extend that buffer instead of allocating. The order is the one the rewrite
 enforces: the whole forward pass, then segment by segment (last first) the
-segment's recomputation followed by its backward pass. The peak is the largest
+segment's recomputation followed by its backward pass, whose gradient steps run
+as an executor runs them: each once its incoming gradients are complete, first
+come first served, so the backward passes of parallel branches interleave. The peak is the largest
 sum of live buffers over all steps, counting an op's inputs and outputs at once.
 """
 
+import collections
 import dataclasses
 from typing import Optional
 
@@ -189,7 +194,7 @@ class MemoryModel:
                 gradients.seed(tid, start)
         recompute = 0
         if segmentation is None:
-            for op in reversed(self.path_ops):
+            for op in self._backward_order(self.path_ops):
                 self._gradient_step(op, forward, gradients, timeline, ("backward", op, None))
         else:
             recompute = self._segments(segmentation, forward, gradients, timeline)
@@ -227,6 +232,8 @@ class MemoryModel:
         incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
         for tid in graph.grad_reads[op]:
             timeline.use(buffers[tid], step)
+        if graph.grad_temporaries[op]:
+            timeline.buffer(step, graph.grad_temporaries[op], "gradients")
         aliased = graph.alias_of[graph.outputs[op][0]] >= 0 if graph.outputs[op] else False
         for tid, nbytes in graph.grad_inputs[op]:
             shares = incoming[0] if aliased and incoming and incoming[0] is not None else None
@@ -253,11 +260,39 @@ class MemoryModel:
                     else:
                         local[tid] = timeline.buffer(step, graph.size[tid], "recomputed")
             view = _Overlay(local, forward)
-            for op in reversed(ops):
+            for op in self._backward_order(ops):
                 self._gradient_step(op, view, gradients, timeline, ("backward", op, index))
         for op in reversed(segmentation.final_ops):
             self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
         return recompute
+
+    def _backward_order(self, ops):
+        """The gradient steps of `ops` (producers first) in the order an executor
+        runs them: each as soon as the gradients of all its outputs are complete,
+        first come first served, so parallel branches interleave."""
+        graph = self.graph
+        members = set(ops)
+        waiting = {}
+        for op in ops:
+            for tid, _ in graph.grad_inputs[op]:
+                producer = graph.producer[tid]
+                if producer in members:
+                    waiting[producer] = waiting.get(producer, 0) + 1
+        ready = collections.deque(op for op in reversed(ops) if op not in waiting)
+        order = []
+        while ready:
+            op = ready.popleft()
+            order.append(op)
+            for tid, _ in graph.grad_inputs[op]:
+                producer = graph.producer[tid]
+                if producer in members:
+                    waiting[producer] -= 1
+                    if waiting[producer] == 0:
+                        ready.append(producer)
+        if len(order) < len(ops):  # a cycle: keep what was ordered, then the rest
+            done = set(order)
+            order += [op for op in reversed(ops) if op not in done]
+        return order
 
     def describe(self, label, segmentation):
         phase, op, index = label

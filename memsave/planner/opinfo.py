@@ -53,6 +53,16 @@ _READS = {
 }
 _READS.update({t: ((), ()) for t in _READS_NOTHING if t not in _READS})
 
+# Gradients that, for an input broadcast against a larger output, first compute an
+# output-sized product and then reduce it: how many such temporaries at once.
+_BROADCAST_TEMPORARIES = {
+    "Mul": 1, "SquaredDifference": 1, "Maximum": 1, "Minimum": 1,
+    "RealDiv": 2, "Div": 2, "DivNoNan": 2, "Pow": 2,
+}
+# Gradients that broadcast the incoming gradient to the input's size and then
+# scale it (Mean: a Tile, then a division): one input-sized temporary.
+_TILE_TEMPORARIES = frozenset(["Mean"])
+
 # Outputs that share the buffer of input 0 (no new memory) when the kernel runs.
 ALIAS_OP_TYPES = frozenset([
     "Identity", "Snapshot", "StopGradient", "Reshape", "Squeeze", "ExpandDims",
@@ -79,6 +89,23 @@ def gradient_reads(op_type, num_inputs, num_outputs):
     inputs, outputs = reads
     return (tuple(i for i in inputs if i < num_inputs),
             tuple(i for i in outputs if i < num_outputs))
+
+
+def gradient_temporaries(op_type, input_bytes, output_bytes, differentiated):
+    """Bytes of the short-lived tensors the gradient of an op makes besides its results.
+
+    Args:
+      op_type: the op's type.
+      input_bytes: bytes of each input.
+      output_bytes: bytes of output 0.
+      differentiated: indices of the inputs that receive a gradient.
+    """
+    factor = _BROADCAST_TEMPORARIES.get(op_type)
+    if factor:
+        return sum(factor * output_bytes for i in differentiated if input_bytes[i] < output_bytes)
+    if op_type in _TILE_TEMPORARIES and 0 in differentiated:
+        return input_bytes[0]
+    return 0
 
 
 def _elements(shape):
