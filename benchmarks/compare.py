@@ -4,6 +4,7 @@
     python benchmarks/compare.py --model mlp --steps 10 --csv mlp.csv --markdown mlp.md
     python benchmarks/compare.py --sweep --depths 6,12,24,48 --memory-limit-mb 400
     python benchmarks/compare.py --build-time          # rewrite time on generated graphs
+    python benchmarks/compare.py --budget-sweep        # memsave.budget(F): peak against time
 
 Every configuration (model, depth, strategy) runs in a fresh Python process
 (`memsave.measure.run_isolated`) with TensorFlow's BFC allocator on, so peaks do
@@ -20,6 +21,8 @@ Columns of the table:
   peak MB     the allocator's peak during a step (GPU:0 when a GPU is present,
               else CPU), including weights, data and gradients;
   x tf        that peak divided by tf.gradients's (from its own process);
+  predicted MB  the memory model's prediction of that peak (memsave.plan; for
+              tf.gradients, RewriteReport.baseline_peak_bytes), and its error;
   step ms     median wall time of one step (forward, loss, gradients);
   x tf        median over the rounds of (this step / tf.gradients's step), timed
               side by side in the same process;
@@ -58,9 +61,10 @@ DEFAULT_SWEEP_DEPTHS = {"cnn": (6, 12, 24, 48, 81), "mlp": (8, 16, 32, 64, 128),
 CHILD_TARGET = "benchmarks.compare:measure_config"
 MEMORY_STEPS = 2  # steps over which the peak is taken
 
-TABLE_COLUMNS = ("strategy", "peak MB", "x tf", "step ms", "x tf", "max rel err", "build s",
-                 "ckpts")
+TABLE_COLUMNS = ("strategy", "peak MB", "x tf", "predicted MB", "pred err", "step ms", "x tf",
+                 "max rel err", "build s", "ckpts")
 CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_ratio",
+              "predicted_mb", "predicted_error", "recompute_fraction",
               "resting_mb", "step_ms", "time_ratio", "paired_base_step_ms",
               "time_ratio_separate", "max_rel_err", "grad_build_s", "trace_s", "first_call_s",
               "checkpoints", "copied_ops", "graph_ops", "device", "message")
@@ -80,6 +84,11 @@ def _strategy_gradient_fn(strategy, model):
     elif strategy in MEMSAVE_STRATEGIES:
         def compute(ys, xs):
             return memsave.gradients(ys, xs, checkpoints=strategy)
+    elif strategy.startswith("budget:"):
+        limit = _budget_limit(strategy)
+
+        def compute(ys, xs):
+            return memsave.gradients(ys, xs, checkpoints=memsave.budget(limit))
     elif strategy.startswith("every:"):
         every = int(strategy.split(":", 1)[1])
         if every < 1:
@@ -90,17 +99,32 @@ def _strategy_gradient_fn(strategy, model):
             return memsave.gradients(ys, xs, checkpoints=chosen)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; use {BASELINE}, "
-                         f"{', '.join(MEMSAVE_STRATEGIES)} or every:K")
+                         f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F or every:K")
 
     timings = {"grad_build_s": 0.0}
 
     def grad_fn(ys, xs):
+        if strategy == BASELINE:
+            # The memory model's prediction for plain tf.gradients (adds no ops; untimed).
+            timings["predicted_peak_bytes"] = memsave.plan(ys, xs, []).baseline_peak_bytes
         start = time.perf_counter()
         result = compute(ys, xs)
         timings["grad_build_s"] += time.perf_counter() - start
         return result
 
     return grad_fn, timings
+
+
+def _budget_limit(strategy):
+    """The limit of 'budget:F' (a fraction of tf.gradients' peak) or 'budget:NMB'."""
+    text = strategy.split(":", 1)[1]
+    try:
+        if text.upper().endswith("MB"):
+            return int(float(text[:-2]) * 2**20)
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{strategy!r}: use budget:F with a fraction F in (0, 1] or "
+                         "budget:NMB") from None
 
 
 def _report_summary(strategy):
@@ -116,7 +140,8 @@ def _report_summary(strategy):
     checkpoints = getattr(report, "checkpoints", None)
     if checkpoints is not None:
         summary["checkpoints"] = len(checkpoints)
-    for field in ("copied_ops", "kept_bytes", "recomputed_bytes", "fallback"):
+    for field in ("copied_ops", "kept_bytes", "recomputed_bytes", "fallback",
+                  "predicted_peak_bytes", "baseline_peak_bytes", "recompute_fraction"):
         value = getattr(report, field, None)
         if value is not None:
             summary[field] = value
@@ -214,6 +239,8 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
     out["grad_build_s"] = timings["grad_build_s"]
     out["graph_ops"] = len(concrete.graph.get_operations())
     out.update(_report_summary(strategy))
+    if "predicted_peak_bytes" in timings:
+        out["predicted_peak_bytes"] = timings["predicted_peak_bytes"]
 
     start = time.perf_counter()
     loss, grads = step(*inputs)
@@ -382,8 +409,12 @@ def _rows(results, strategies, paths):
         row["strategy"] = strategy
         row["description"] = result.get("description")
         row["report"] = result.get("report")
+        if result.get("predicted_peak_bytes"):
+            row["predicted_mb"] = result["predicted_peak_bytes"] / 2**20
         if ok:
             row["peak_mb"] = result["peak_bytes"] / 2**20
+            if row["predicted_mb"]:
+                row["predicted_error"] = row["predicted_mb"] / row["peak_mb"] - 1
             row["resting_mb"] = result["resting_bytes"] / 2**20
             row["step_ms"] = result["step_s"] * 1e3
             if result.get("paired_ratio") is not None:
@@ -426,6 +457,7 @@ def _cells(row):
     if row["status"] != "ok":
         return [row["strategy"], row["status"] or "failed"] + ["-"] * (len(TABLE_COLUMNS) - 2)
     return [row["strategy"], _fmt(row["peak_mb"], ".1f"), _fmt(row["peak_ratio"], ".2f"),
+            _fmt(row["predicted_mb"], ".1f"), _fmt(row["predicted_error"], "+.0%"),
             _fmt(row["step_ms"], ".1f"), _fmt(row["time_ratio"], ".2f"),
             _fmt(row["max_rel_err"], ".1e"), _fmt(row["grad_build_s"], ".2f"),
             _fmt(row["checkpoints"], "d")]
@@ -577,6 +609,60 @@ def format_sweep(rows):
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
 
 
+# ----------------------------------------------------------------------------- budget sweep
+
+DEFAULT_BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15)
+
+
+def budget_sweep(model="cnn", budgets=DEFAULT_BUDGETS, depth=None, batch=None, steps=5,
+                 warmup=2, seed=0, model_options=None, timeout=900, paired=True):
+    """tf.gradients, the named strategies and memsave.budget(F) for every F, each in its
+    own process. Budgets below the smallest feasible one come back as errors
+    (memsave says which peak it can reach), so the curve ends where memsave must."""
+    strategies = default_strategies(model) + [f"budget:{b:g}" for b in budgets]
+    return compare(model, depth, batch, strategies, steps, warmup, seed, None, model_options,
+                   timeout, paired=paired)
+
+
+def plot_budget_sweep(rows, png_path, title=None):
+    """Measured peak against step time: the budget curve and the strategies as points."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed, so no plot was drawn "
+                       "(pip install matplotlib, or memsave[bench]); the CSV has the numbers")
+        return False
+    ok = [r for r in rows if r["status"] == "ok" and r["time_ratio"] is not None]
+    budgets = [r for r in ok if r["strategy"].startswith("budget:")]
+    figure, axes = plt.subplots(figsize=(7.5, 5))
+    axes.plot([r["time_ratio"] for r in budgets], [r["peak_mb"] for r in budgets], "o-",
+              color="tab:blue", label="memsave.budget(F)")
+    for r in budgets:
+        axes.annotate(r["strategy"].split(":", 1)[1], (r["time_ratio"], r["peak_mb"]),
+                      textcoords="offset points", xytext=(5, 4), fontsize=8, color="tab:blue")
+    markers = {BASELINE: ("s", "black"), "speed": ("^", "tab:orange"),
+               "memory": ("D", "tab:green"), "collection": ("v", "tab:purple")}
+    for r in ok:
+        if r["strategy"] in markers:
+            marker, color = markers[r["strategy"]]
+            axes.plot([r["time_ratio"]], [r["peak_mb"]], marker, color=color, ms=9,
+                      label=r["strategy"])
+    axes.set(xlabel="step time / tf.gradients' step time (paired)", ylabel="measured peak (MB)",
+             title="peak memory against step time")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    if title:
+        import textwrap
+        figure.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=7)
+    figure.tight_layout()
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 # ----------------------------------------------------------------------------- main
 
 def _parse_list(text, cast=str):
@@ -603,8 +689,9 @@ def main(argv=None):
                              "processes) instead of alternating with tf.gradients in the same one")
     parser.add_argument("--strategies", default=None,
                         help="comma-separated, from tf.gradients, speed, memory, collection, "
-                             "every:K (explicit list: every K-th block output); default: all "
-                             "that apply to the model")
+                             "budget:F (memsave.budget(F), F a fraction or e.g. 200MB), every:K "
+                             "(explicit list: every K-th block output); default: all that apply "
+                             "to the model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--app", default=None,
                         help="keras.applications model for --model keras (default ResNet50)")
@@ -616,6 +703,11 @@ def main(argv=None):
     parser.add_argument("--csv", default=None, help="write the rows to this CSV file")
     parser.add_argument("--markdown", default=None, help="write the table as Markdown here")
     parser.add_argument("--sweep", action="store_true", help="peak memory and step time vs depth")
+    parser.add_argument("--budget-sweep", action="store_true",
+                        help="memsave.budget(F) for F from 1.0 down to the smallest feasible, "
+                             "with tf.gradients and the named strategies; plots peak vs time")
+    parser.add_argument("--budgets", default=None,
+                        help="comma-separated budget fractions for --budget-sweep")
     parser.add_argument("--depths", default=None, help="comma-separated depths for --sweep")
     parser.add_argument("--png", default=None,
                         help="plot for --sweep (default benchmarks/results/sweep_<model>.png)")
@@ -651,6 +743,23 @@ def main(argv=None):
     if args.image_size:
         model_options["image_size"] = args.image_size
     strategies = _parse_list(args.strategies)
+
+    if args.budget_sweep:
+        budgets = _parse_list(args.budgets, float) or DEFAULT_BUDGETS
+        rows = budget_sweep(args.model, budgets, args.depth, args.batch, args.steps, args.warmup,
+                            args.seed, model_options, args.timeout, paired=not args.no_paired)
+        title = _title(rows, command)
+        print(title)
+        print(format_table(rows))
+        csv_path = args.csv or f"benchmarks/results/budget_{args.model}.csv"
+        write_csv(rows, csv_path)
+        png_path = args.png or f"benchmarks/results/budget_{args.model}.png"
+        drew = plot_budget_sweep(rows, png_path, title)
+        print(f"\nwrote {csv_path}" + (f" and {png_path}" if drew else ""))
+        if args.markdown:
+            Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.markdown).write_text(format_markdown(rows, title), encoding="utf-8")
+        return 0
 
     if args.sweep:
         depths = _parse_list(args.depths, int)

@@ -13,17 +13,33 @@ import memsave
 from memsave.measure import peak_memory_bytes
 
 
+_PREDICTED = {}
+
+
 def _gradient_fn(mode, marks):
-    if mode == "tf":
-        return tf.gradients
-    checkpoints = marks if mode == "listed" else mode
-    return lambda ys, xs: memsave.gradients(ys, xs, checkpoints=checkpoints)
+    """tf.gradients or memsave with `mode` ('memory', 'listed', 'budget:F', a strategy);
+    records the memory model's prediction of the step's peak in _PREDICTED."""
+    def gradients(ys, xs):
+        if mode == "tf":
+            _PREDICTED["bytes"] = memsave.plan(ys, xs, []).baseline_peak_bytes
+            return tf.gradients(ys, xs)
+        if mode == "listed":
+            checkpoints = marks
+        elif mode.startswith("budget:"):
+            checkpoints = memsave.budget(float(mode.split(":")[1]))
+        else:
+            checkpoints = mode
+        result = memsave.gradients(ys, xs, checkpoints=checkpoints)
+        _PREDICTED["bytes"] = memsave.last_report().predicted_peak_bytes
+        return result
+    return gradients
 
 
 def _measure(step, *args):
     step(*args)  # trace and warm up outside the measured call
     peak, grads = peak_memory_bytes(lambda: [g.numpy() for g in step(*args)])
-    return {"peak_mb": peak / 2**20, "checksum": float(sum(np.sum(g, dtype=np.float64) for g in grads))}
+    return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
+            "checksum": float(sum(np.sum(g, dtype=np.float64) for g in grads))}
 
 
 def chain(mode, n=100, residual=False, mark_every=10):
@@ -56,3 +72,47 @@ def deep_mlp(mode, layers=48, batch=4096, width=256):
 
     x = tf.constant(rng.standard_normal([batch, width]).astype(np.float32))
     return _measure(step, x)
+
+
+def chain_v1(mode, n=100):
+    """The tanh chain of `chain` in a tf.compat.v1 graph, fed through a placeholder."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [512, 512])
+        h, marks = x, []
+        for i in range(n):
+            h = tf.tanh(h)
+            if i % 10 == 9 and i < n - 1:
+                marks.append(h)
+        grads = _gradient_fn(mode, marks)(tf.reduce_sum(h), [x])
+        feed = {x: np.random.RandomState(0).uniform(-1, 1, [512, 512]).astype(np.float32)}
+        with tf.compat.v1.Session() as session:
+            session.run(grads, feed)
+            peak, values = peak_memory_bytes(lambda: session.run(grads, feed))
+    return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
+            "checksum": float(sum(np.sum(g, dtype=np.float64) for g in values))}
+
+
+def small_cnn(mode, blocks=12, batch=32, width=16):
+    """A ResNet-style CNN (conv-BN-ReLU blocks from tf.nn ops) in tf.function."""
+    rng = np.random.RandomState(0)
+
+    def variable(shape, scale):
+        return tf.Variable((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    stem = variable([3, 3, 3, width], 0.2)
+    convs = [(variable([3, 3, width, width], 0.1), variable([width], 0.0) + 1.0,
+              variable([width], 0.0)) for _ in range(blocks)]
+    weights = [stem] + [v for conv in convs for v in conv[:1]]
+
+    @tf.function
+    def step(images):
+        h = tf.nn.relu(tf.nn.conv2d(images, stem, 1, "SAME"))
+        for w, scale, offset in convs:
+            y = tf.nn.conv2d(h, w, 1, "SAME")
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(y, scale, offset, is_training=True)
+            h = tf.nn.relu(h + y)
+        return _gradient_fn(mode, [])(tf.reduce_mean(h * h), weights)
+
+    images = tf.constant(rng.standard_normal([batch, 32, 32, 3]).astype(np.float32))
+    return _measure(step, images)

@@ -83,6 +83,13 @@ class _Timeline:
         self.kinds.append(kind)
         return len(self.bytes) - 1
 
+    def copy(self):
+        other = _Timeline()
+        other.labels = list(self.labels)
+        other.starts, other.ends = list(self.starts), list(self.ends)
+        other.bytes, other.kinds = list(self.bytes), list(self.kinds)
+        return other
+
     def live_at(self, step):
         """Bytes alive at `step`, by kind of buffer."""
         result = {}
@@ -113,11 +120,10 @@ class _Timeline:
 class _Gradients:
     """Gradient buffers: contributions, their sum, and when they are consumed."""
 
-    def __init__(self, graph, timeline):
+    def __init__(self, graph, timeline, expected):
         self.graph = graph
         self.timeline = timeline
-        self.expected = _contribution_counts(graph)
-        self.arrived = {}
+        self.expected = expected
         self.parts = {}
         self.total = {}
 
@@ -171,6 +177,11 @@ class MemoryModel:
         self.path_ops = [i for i, k in enumerate(graph.kind) if k in (REGION, KEPT)]
         self.forward_flops = sum(graph.cost)
         self._baseline = None
+        self._expected = _contribution_counts(graph)
+        self._resident = graph.resident_bytes()
+        # The forward pass is the same for every plan: simulated once, copied per plan.
+        self._forward_template = _Timeline()
+        self._forward_buffers = self._forward(self._forward_template)
 
     # -- public -------------------------------------------------------------------
     def baseline(self):
@@ -185,9 +196,9 @@ class MemoryModel:
 
     # -- simulation ---------------------------------------------------------------
     def _simulate(self, segmentation):
-        graph, timeline = self.graph, _Timeline()
-        forward = self._forward(timeline)
-        gradients = _Gradients(graph, timeline)
+        graph, timeline = self.graph, self._forward_template.copy()
+        forward = self._forward_buffers
+        gradients = _Gradients(graph, timeline, self._expected)
         start = timeline.step(("seed", None, None))
         for tid, is_y in enumerate(graph.is_y):
             if is_y:
@@ -200,7 +211,7 @@ class MemoryModel:
             recompute = self._segments(segmentation, forward, gradients, timeline)
         peak, at = timeline.peak()
         return Prediction(
-            peak_bytes=peak, resident_bytes=graph.resident_bytes(),
+            peak_bytes=peak, resident_bytes=self._resident,
             peak_at=self.describe(timeline.labels[at], segmentation),
             recompute_flops=recompute, forward_flops=self.forward_flops,
             checkpoint_bytes=0 if segmentation is None else sum(

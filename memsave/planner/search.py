@@ -127,60 +127,112 @@ def _is_data(t):
     return t.dtype not in (tf.resource, tf.variant) and t.dtype != tf.string
 
 
-def _better_for_peak(a, b):
-    return b is None or (a[0].peak_bytes, a[0].recompute_flops) < (b[0].peak_bytes,
-                                                                     b[0].recompute_flops)
-
-
-def _better_for_cost(a, b):
-    return b is None or (a[0].recompute_flops, a[0].peak_bytes) < (b[0].recompute_flops,
-                                                                     b[0].peak_bytes)
-
-
 def _subsets(tensors):
-    for r in range(len(tensors) + 1):
+    for r in range(1, len(tensors) + 1):
         for subset in itertools.combinations(tensors, r):
             yield list(subset)
 
 
-def cut_plans(model, candidates):
-    """The greedy plans for every segment budget (distinct checkpoint lists)."""
-    seen, plans = set(), []
-    for size in candidates.segment_sizes():
-        plan = candidates.tensors_crossing(candidates.greedy_cuts(size))
-        key = tuple(plan)
-        if plan and key not in seen:
-            seen.add(key)
-            plans.append(plan)
-    return plans
+class _Search:
+    """Predictions of candidate plans, each simulated once."""
+
+    def __init__(self, model):
+        self.model = model
+        self.candidates = Candidates(model.graph)
+        self.found = {}   # plan (tuple) -> Prediction
+        self._cuts = {}   # segment bytes -> plan
+
+    def predict(self, plan):
+        key = tuple(sorted(plan))
+        prediction = self.found.get(key)
+        if prediction is None:
+            prediction = self.found[key] = self.model.predict(list(key))
+        return prediction
+
+    def cut_plan(self, segment_bytes):
+        plan = self._cuts.get(segment_bytes)
+        if plan is None:
+            candidates = self.candidates
+            plan = self._cuts[segment_bytes] = candidates.tensors_crossing(
+                candidates.greedy_cuts(segment_bytes))
+        return plan
+
+    def cut_plans(self):
+        """The greedy plans over a coarse range of segment sizes, refined around the
+        lowest peak (the peak falls, then rises again, as segments grow)."""
+        sizes = self.candidates.segment_sizes()
+        coarse = sizes[::3] + ([sizes[-1]] if (len(sizes) - 1) % 3 else [])
+        scored = [(self._peak_of(size), size) for size in coarse]
+        best = min(range(len(coarse)), key=lambda i: scored[i][0])
+        low = sizes.index(coarse[max(best - 1, 0)])
+        high = sizes.index(coarse[min(best + 1, len(coarse) - 1)])
+        for size in sizes[low:high + 1]:
+            self._peak_of(size)
+        return [plan for plan in (self.cut_plan(size) for size in sizes if size in self._cuts)
+                if plan]
+
+    def _peak_of(self, size):
+        plan = self.cut_plan(size)
+        return self.predict(plan).peak_bytes if plan else float("inf")
+
+    def best(self, plans, fits=lambda prediction: True, by_cost=False):
+        """(Prediction, plan) of the best plan that fits, or None."""
+        best = None
+        for plan in plans:
+            prediction = self.predict(plan)
+            if not fits(prediction):
+                continue
+            key = ((prediction.recompute_flops, prediction.peak_bytes) if by_cost
+                   else (prediction.peak_bytes, prediction.recompute_flops))
+            if best is None or key < best[0]:
+                best = (key, prediction, list(plan))
+        return None if best is None else best[1:]
+
+    def with_expensive_outputs(self, plan, expensive, limit_bytes):
+        """`plan` plus the longest prefix of `expensive` (best saving per byte first)
+        that keeps the predicted peak <= limit_bytes (binary search)."""
+        chosen = set(plan)
+        extra = [t for t in expensive if t not in chosen]
+        low, high = 0, len(extra)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.predict(list(plan) + extra[:middle]).peak_bytes <= limit_bytes:
+                low = middle
+            else:
+                high = middle - 1
+        return list(plan) + extra[:low]
 
 
-def minimise_peak(model, extra_plans=(), exact=None):
+def _ranked(graph, expensive):
+    """Expensive outputs by recomputation saved per byte kept, best first."""
+    expensive = [t for t in expensive if graph.size[t] > 0]
+    return sorted(expensive, key=lambda t: -graph.cost[graph.producer[t]] / graph.size[t])
+
+
+def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
     """(Prediction, checkpoint tensor ids) of the plan with the lowest predicted peak.
 
     Args:
       model: the MemoryModel.
-      extra_plans: more checkpoint lists to consider.
       exact: try every subset (default: when there are few candidates).
+      expensive: tensor ids worth keeping to save recomputation; kept too as long
+        as the peak stays within `tolerance` of the lowest.
+      tolerance: how much above the lowest peak (a fraction) buys less recomputation.
+    Returns:
+      (Prediction, plan), or None when there is nothing to keep.
     """
-    candidates = Candidates(model.graph)
+    search = _Search(model)
     if exact is None:
-        exact = len(candidates.tensors) <= EXACT_PEAK_LIMIT
-    if exact:
-        plans = _subsets(candidates.tensors)
-    else:
-        plans = itertools.chain(cut_plans(model, candidates), extra_plans)
-    best = None
-    for plan in plans:
-        if not plan:
-            continue
-        found = (model.predict(plan), plan)
-        if _better_for_peak(found, best):
-            best = found
-    return best
+        exact = len(search.candidates.tensors) <= EXACT_PEAK_LIMIT
+    best = search.best(_subsets(search.candidates.tensors) if exact else search.cut_plans())
+    if best is None or not expensive or exact:
+        return best
+    limit = int(best[0].peak_bytes * (1 + tolerance))
+    plan = search.with_expensive_outputs(best[1], _ranked(model.graph, expensive), limit)
+    return search.best([best[1], plan], fits=lambda p: p.peak_bytes <= limit, by_cost=True)
 
 
-def within_budget(model, limit_bytes, expensive, exact=None):
+def within_budget(model, limit_bytes, expensive, exact=None, augmented=3):
     """(Prediction, checkpoint ids) of the least recomputation with peak <= limit_bytes,
     or None when no plan fits.
 
@@ -188,46 +240,26 @@ def within_budget(model, limit_bytes, expensive, exact=None):
       model: the MemoryModel.
       limit_bytes: the budget.
       expensive: tensor ids worth keeping to save recomputation (outputs of
-        matmuls and convolutions), in topological order.
+        matmuls and convolutions).
       exact: try every subset (default: when there are few candidates).
+      augmented: how many of the fitting cut plans (least recomputation first) are
+        tried with expensive outputs added.
     """
-    candidates = Candidates(model.graph)
+    search = _Search(model)
     if exact is None:
-        exact = len(candidates.tensors) <= EXACT_BUDGET_LIMIT
+        exact = len(search.candidates.tensors) <= EXACT_BUDGET_LIMIT
+
+    def fits(prediction):
+        return prediction.peak_bytes <= limit_bytes
+
     if exact:
-        plans = _subsets(candidates.tensors)
-    else:
-        plans = _budget_plans(model, candidates, expensive, limit_bytes)
-    best = None
-    for plan in plans:
-        if not plan:
-            continue
-        found = (model.predict(plan), plan)
-        if found[0].peak_bytes <= limit_bytes and _better_for_cost(found, best):
-            best = found
-    return best
-
-
-def _budget_plans(model, candidates, expensive, limit_bytes):
-    """Cut plans, and each with as many expensive outputs kept as still fit."""
-    expensive = [t for t in expensive if model.graph.size[t] > 0]
-    for plan in cut_plans(model, candidates):
-        yield plan
-        if not expensive:
-            continue
-        # Expensive outputs by cost saved per byte kept, best first.
-        graph = model.graph
-        ranked = sorted(expensive, key=lambda t: -graph.cost[graph.producer[t]] / graph.size[t])
-        kept = list(plan)
-        chosen = set(plan)
-        low, high = 0, len(ranked)
-        # Binary search for the longest prefix of `ranked` that still fits.
-        while low < high:
-            middle = (low + high + 1) // 2
-            trial = kept + [t for t in ranked[:middle] if t not in chosen]
-            if model.predict(trial).peak_bytes <= limit_bytes:
-                low = middle
-            else:
-                high = middle - 1
-        if low:
-            yield kept + [t for t in ranked[:low] if t not in chosen]
+        return search.best(_subsets(search.candidates.tensors), fits, by_cost=True)
+    plans = [plan for plan in search.cut_plans() if fits(search.predict(plan))]
+    plans.sort(key=lambda plan: search.predict(plan).recompute_flops)
+    ranked = _ranked(model.graph, expensive)
+    if ranked:
+        # The plan with the most headroom may take the most expensive outputs.
+        roomiest = min(plans, key=lambda plan: search.predict(plan).peak_bytes, default=None)
+        tried = plans[:augmented] + ([roomiest] if roomiest is not None else [])
+        plans += [search.with_expensive_outputs(plan, ranked, limit_bytes) for plan in tried]
+    return search.best(plans, fits, by_cost=True)

@@ -26,11 +26,24 @@ def _choices(model, plan, reason):
     return [Choice(graph.tensors[t], reason) for t in plan]
 
 
-def lowest_peak():
-    """A strategy keeping the checkpoints with the lowest predicted peak."""
+# How far above the lowest predicted peak 'memory' may go to recompute less.
+PEAK_TOLERANCE = 0.02
+
+
+def _expensive_outputs(graph):
+    """Tensor ids of matmul/convolution outputs in the region: worth keeping to recompute less."""
+    return [t for op in graph.region_op_ids() if graph.ops[op].type in EXPENSIVE_OP_TYPES
+            for t in graph.outputs[op] if graph.tensors[t].dtype.is_floating and not graph.is_y[t]]
+
+
+def lowest_peak(tolerance=PEAK_TOLERANCE):
+    """A strategy keeping the checkpoints with the lowest predicted peak; within
+    `tolerance` (a fraction) of that peak it also keeps matmul/convolution outputs,
+    so less is recomputed."""
     def strategy(region):
         model = planner.model_of(region)
-        best = search.minimise_peak(model)
+        best = search.minimise_peak(model, expensive=_expensive_outputs(model.graph),
+                                    tolerance=tolerance)
         if best is None:
             return []
         prediction, plan = best
@@ -83,11 +96,7 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
             region.cache[PLAIN] = (f"tf.gradients' predicted peak {_mb(baseline.peak_bytes)} "
                                    f"fits the budget of {_mb(limit)}: nothing to recompute")
             return []
-        graph = model.graph
-        expensive = [t for op in graph.region_op_ids()
-                     if graph.ops[op].type in EXPENSIVE_OP_TYPES for t in graph.outputs[op]
-                     if graph.tensors[t].dtype.is_floating and not graph.is_y[t]]
-        best = search.within_budget(model, limit, expensive)
+        best = search.within_budget(model, limit, _expensive_outputs(model.graph))
         if best is None:
             lowest = search.minimise_peak(model)
             reachable = lowest[0].peak_bytes if lowest else baseline.peak_bytes
