@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import memsave
 from memsave import planner
-from memsave.planner import search
+from memsave.planner import opinfo, search
 from memsave.region import ForwardRegion
 
 S = 256 * 256 * 4  # bytes of one [256, 256] float32 activation
@@ -56,8 +56,11 @@ def test_rewritten_peak_of_a_chain_with_one_checkpoint():
     assert prediction.peak_bytes == 7 * S + SUM_AXES
     assert prediction.segments == 2
     assert prediction.checkpoint_bytes == S
-    assert prediction.recompute_flops == 8 * 256 * 256  # every tanh once; the sum's copy is pruned
-    assert prediction.forward_flops == 8 * 256 * 256 + 1
+    # Every tanh once, each with its dispatch overhead, and two segments' overheads;
+    # the sum's copy is pruned (nothing reads its output).
+    assert prediction.recompute_flops == (8 * (256 * 256 + opinfo.OP_OVERHEAD_FLOPS)
+                                          + 2 * opinfo.SEGMENT_OVERHEAD_FLOPS)
+    assert prediction.forward_flops == 8 * 256 * 256 + 1 + 9 * opinfo.OP_OVERHEAD_FLOPS
 
 
 def test_buffers_shared_by_reshapes_cost_nothing():

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 from typing import Optional
 
+from memsave.planner import opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
 from memsave.planner.segments import LAST, Segmentation
 
@@ -43,8 +44,9 @@ class Prediction:
       peak_bytes: the largest number of bytes alive at once.
       resident_bytes: bytes alive before the step starts (inputs, variables).
       peak_at: where the peak happens, e.g. "backward of segment 3 of 9, gradient of conv2d_7".
-      recompute_flops: estimated cost of the recomputed copies.
-      forward_flops: estimated cost of the region's forward pass, for scale.
+      recompute_flops: estimated cost of the recomputed copies, in FLOPs, with each
+        copy's and each segment's overhead counted as FLOPs (memsave.planner.opinfo).
+      forward_flops: the same estimate for one forward pass of the region, for scale.
       checkpoint_bytes: bytes of the checkpoints kept.
       segments: number of recomputed segments.
       breakdown: bytes alive at the peak by kind ('resident', 'forward',
@@ -175,7 +177,8 @@ class MemoryModel:
     def __init__(self, graph):
         self.graph = graph
         self.path_ops = [i for i, k in enumerate(graph.kind) if k in (REGION, KEPT)]
-        self.forward_flops = sum(graph.cost)
+        self.forward_flops = sum(graph.cost[op] + opinfo.OP_OVERHEAD_FLOPS
+                                 for op in graph.region_op_ids())
         self._baseline = None
         self._expected = _contribution_counts(graph)
         self._resident = graph.resident_bytes()
@@ -257,10 +260,11 @@ class MemoryModel:
             ops = segmentation.ops[head]
             executed = segmentation.executed(head)
             local = {}
+            recompute += opinfo.SEGMENT_OVERHEAD_FLOPS
             for op in ops:
                 if op not in executed:
                     continue
-                recompute += graph.cost[op]
+                recompute += graph.cost[op] + opinfo.OP_OVERHEAD_FLOPS
                 step = timeline.step(("recompute", op, index))
                 for tid in graph.inputs[op]:
                     timeline.use(local.get(tid, forward[tid]), step)

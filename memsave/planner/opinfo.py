@@ -140,6 +140,14 @@ def flops(op):
     return out_elements
 
 
+# Running an op costs more than its arithmetic: the executor's dispatch, a kernel
+# launch, an allocation. Counted as this many FLOPs per op run (about 10 us at the
+# ~10 GFLOP/s a CPU core sustains on small kernels), and a segment's own machinery
+# (its boundary identities, gradient bookkeeping, control edges) as a few ops more.
+OP_OVERHEAD_FLOPS = 100_000
+SEGMENT_OVERHEAD_FLOPS = 5 * OP_OVERHEAD_FLOPS
+
+
 def _einsum_flops(op, out_elements):
     """2 x the product of every distinct index's size (a contraction's multiply-adds)."""
     equation = _attr(op, "equation")

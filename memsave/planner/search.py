@@ -26,8 +26,9 @@ import numpy as np
 from memsave.planner.graph import REGION, RESIDENT
 
 EXACT_PEAK_LIMIT = 10
+PEAK_TIE = 0.005
 EXACT_BUDGET_LIMIT = 14
-_GRID = 24
+_GRID = 16
 
 
 class Candidates:
@@ -176,17 +177,21 @@ class _Search:
         return self.predict(plan).peak_bytes if plan else float("inf")
 
     def best(self, plans, fits=lambda prediction: True, by_cost=False):
-        """(Prediction, plan) of the best plan that fits, or None."""
-        best = None
-        for plan in plans:
-            prediction = self.predict(plan)
-            if not fits(prediction):
-                continue
-            key = ((prediction.recompute_flops, prediction.peak_bytes) if by_cost
-                   else (prediction.peak_bytes, prediction.recompute_flops))
-            if best is None or key < best[0]:
-                best = (key, prediction, list(plan))
-        return None if best is None else best[1:]
+        """(Prediction, plan) of the best plan that fits, or None.
+
+        by_cost: least recomputation first. Otherwise lowest peak first, where peaks
+        within PEAK_TIE of the lowest count as equal (the model is not that exact)
+        and the tie goes to less recomputation.
+        """
+        found = [(self.predict(plan), list(plan)) for plan in plans]
+        found = [(prediction, plan) for prediction, plan in found if fits(prediction)]
+        if not found:
+            return None
+        if by_cost:
+            return min(found, key=lambda f: (f[0].recompute_flops, f[0].peak_bytes))
+        lowest = min(prediction.peak_bytes for prediction, _ in found)
+        tied = [f for f in found if f[0].peak_bytes <= lowest * (1 + PEAK_TIE)]
+        return min(tied, key=lambda f: (f[0].recompute_flops, f[0].peak_bytes))
 
     def with_expensive_outputs(self, plan, expensive, limit_bytes):
         """`plan` plus the longest prefix of `expensive` (best saving per byte first)

@@ -26,8 +26,6 @@ def _choices(model, plan, reason):
     return [Choice(graph.tensors[t], reason) for t in plan]
 
 
-# How far above the lowest predicted peak 'memory' may go to recompute less.
-PEAK_TOLERANCE = 0.02
 
 
 def _expensive_outputs(graph):
@@ -36,14 +34,18 @@ def _expensive_outputs(graph):
             for t in graph.outputs[op] if graph.tensors[t].dtype.is_floating and not graph.is_y[t]]
 
 
-def lowest_peak(tolerance=PEAK_TOLERANCE):
-    """A strategy keeping the checkpoints with the lowest predicted peak; within
-    `tolerance` (a fraction) of that peak it also keeps matmul/convolution outputs,
-    so less is recomputed."""
+def lowest_peak(tolerance=None):
+    """A strategy keeping the checkpoints with the lowest predicted peak.
+
+    Args:
+      tolerance: None (default) for the lowest peak alone; a fraction, e.g. 0.05, to
+        also keep matmul/convolution outputs while the peak stays within it of the
+        lowest, so less is recomputed (more segments: a longer build).
+    """
     def strategy(region):
         model = planner.model_of(region)
-        best = search.minimise_peak(model, expensive=_expensive_outputs(model.graph),
-                                    tolerance=tolerance)
+        expensive = _expensive_outputs(model.graph) if tolerance is not None else ()
+        best = search.minimise_peak(model, expensive=expensive, tolerance=tolerance or 0.0)
         if best is None:
             return []
         prediction, plan = best
