@@ -180,6 +180,7 @@ class MemoryModel:
         self.forward_flops = sum(graph.cost[op] + opinfo.OP_OVERHEAD_FLOPS
                                  for op in graph.region_op_ids())
         self._baseline = None
+        self._predictions = {}
         self._expected = _contribution_counts(graph)
         self._resident = graph.resident_bytes()
         # The forward pass is the same for every plan: simulated once, copied per plan.
@@ -195,7 +196,11 @@ class MemoryModel:
 
     def predict(self, checkpoints):
         """The step as the rewrite builds it with these checkpoint tensor ids."""
-        return self._simulate(Segmentation(self.graph, checkpoints))
+        key = tuple(sorted(set(checkpoints)))
+        prediction = self._predictions.get(key)
+        if prediction is None:
+            prediction = self._predictions[key] = self._simulate(Segmentation(self.graph, key))
+        return prediction
 
     # -- simulation ---------------------------------------------------------------
     def _simulate(self, segmentation):

@@ -9,6 +9,7 @@ type not listed here is assumed to read all its inputs and outputs, which can on
 over-predict memory.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -75,6 +76,7 @@ _MATMUL_LIKE = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMul
 _CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"])
 
 
+@functools.lru_cache(maxsize=None)
 def gradient_reads(op_type, num_inputs, num_outputs):
     """The forward tensors the gradient of an op of `op_type` reads.
 

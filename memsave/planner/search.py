@@ -140,15 +140,10 @@ class _Search:
     def __init__(self, model):
         self.model = model
         self.candidates = Candidates(model.graph)
-        self.found = {}   # plan (tuple) -> Prediction
         self._cuts = {}   # segment bytes -> plan
 
     def predict(self, plan):
-        key = tuple(sorted(plan))
-        prediction = self.found.get(key)
-        if prediction is None:
-            prediction = self.found[key] = self.model.predict(list(key))
-        return prediction
+        return self.model.predict(plan)  # the model keeps every prediction it made
 
     def cut_plan(self, segment_bytes):
         plan = self._cuts.get(segment_bytes)
