@@ -36,7 +36,7 @@ from memsave import aggregate, inputs, planner
 from memsave import report as report_lib
 from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private
-from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops
+from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops, tensor_key
 from memsave.graph.transform import copy_with_input_replacements
 from memsave.planner.segments import Segmentation
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion, estimated_bytes
@@ -331,6 +331,11 @@ class _Rewrite:
         self.options = options
         self.report = report
         self.pending = TensorMap()  # tensor -> list of gradient contributions
+        self.graph = ys[0].graph
+        # TensorFlow's own CPU convolution gradients each allocate a ~30 MiB im2col
+        # buffer; run the two of one convolution one after the other (as the memory
+        # model assumes for the rewrite), not side by side.
+        self.serialize_conv_gradients = planner.model_of(region).graph.conv_threads > 0
 
     def run(self):
         self._last_segment()
@@ -374,8 +379,11 @@ class _Rewrite:
             copied_ys = [copy.transformed(y) for y in seg_ys]
             stop = [copy.transformed(t) for t in self.options.stop if copy.transformed(t) is not None]
             locals_ = [replacements[t] for t in local_inputs]
+            first_new_op = len(self.graph.get_operations())
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
+            if self.serialize_conv_gradients:
+                _serialize_conv_gradients(self.graph.get_operations()[first_new_op:])
         for t, g in zip(local_inputs, grads):
             if g is not None:
                 self._add(t, g)
@@ -449,6 +457,20 @@ class _Rewrite:
             result = [g if g is not None else _tf_private.zero_gradient_like(x)
                       for g, x in zip(result, self.xs)]
         return result
+
+
+def _serialize_conv_gradients(ops):
+    """Makes each Conv2DBackpropInput among `ops` wait for the Conv2DBackpropFilter of
+    the same convolution (the two read the same incoming gradient)."""
+    filter_grads = {}
+    for op in ops:
+        if op.type == "Conv2DBackpropFilter":
+            filter_grads[tensor_key(op.inputs[2])] = op
+    for op in ops:
+        if op.type == "Conv2DBackpropInput":
+            partner = filter_grads.get(tensor_key(op.inputs[2]))
+            if partner is not None:
+                _tf_private.add_control_inputs(op, [partner])
 
 
 def _local_input(t):

@@ -84,3 +84,11 @@ def is_eager_tensor(value):
 def zero_gradient_like(x):
     """The zero gradient tf.gradients gives an unconnected x (resource handles included)."""
     return default_gradient.zeros_like(x)
+
+
+def onednn_enabled():
+    """Whether TensorFlow's oneDNN CPU kernels are on in this process (the default on
+    many x86 CPUs; TF_ENABLE_ONEDNN_OPTS=0/1 decides). TensorFlow's own kernels,
+    used otherwise, allocate large im2col temporaries in convolution gradients."""
+    from tensorflow.python.util import _pywrap_util_port
+    return bool(_pywrap_util_port.IsMklEnabled())

@@ -9,9 +9,11 @@ candidate plan costs a pass over lists, not thousands of graph API calls.
 """
 
 import logging
+import os
 
 import tensorflow as tf
 
+from memsave.graph import _tf_private
 from memsave.graph.select import get_backward_walk_ops
 from memsave.planner import opinfo
 from memsave.region import estimated_bytes
@@ -44,7 +46,9 @@ class StepGraph:
       grad_inputs: per op, (input tensor id, gradient bytes) for inputs that receive
         a gradient (they depend on the xs).
       grad_temporaries: per op, bytes of short-lived tensors its gradient makes
-        (output-sized products reduced to a broadcast input's size).
+        (output-sized products reduced to a broadcast input's size, kernel workspaces).
+      rewrite_grad_temporaries: op -> the same in memsave's rewrite, where it differs
+        (convolution gradients that the rewrite runs one after the other).
       cost: per op, estimated FLOPs of running it once.
       is_x, is_y: per tensor, booleans.
       unknown_dims: names of tensors whose size assumed an unknown dimension of 1.
@@ -58,11 +62,14 @@ class StepGraph:
         self.tensor_id = {}
         self.op_id = {}
         self.unknown_dims = []
+        self.conv_threads = 0
+        self.rewrite_grad_temporaries = {}
 
     @classmethod
     def build(cls, region):
         """Compiles the forward pass of `region` (a memsave.region.ForwardRegion)."""
         step = cls()
+        step.conv_threads = _eigen_conv_threads()
         ops = _forward_ops_in_order(region.ys)
         kept = {op for op, _ in region.kept_ops}
         for op in ops:
@@ -145,6 +152,13 @@ class StepGraph:
         if outs and len(ins) == len(op.inputs):
             self.grad_temporaries[index] = opinfo.gradient_temporaries(
                 op.type, [self.size[t] for t in ins], self.size[outs[0]], differentiated)
+        if self.conv_threads:
+            for_filter, for_input = opinfo.conv_gradient_workspace(
+                op, differentiated, self.conv_threads)
+            # tf.gradients runs the two side by side; the rewrite one after the other.
+            self.grad_temporaries[index] += for_filter + for_input
+            self.rewrite_grad_temporaries[index] = (self.grad_temporaries[index]
+                                                    - min(for_filter, for_input))
 
     # -- queries -----------------------------------------------------------------------
     def buffer_of(self, tid):
@@ -163,6 +177,14 @@ class StepGraph:
         """Bytes alive before the step starts: inputs, constants and variables."""
         return sum(self.size[t] for i, k in enumerate(self.kind) if k == RESIDENT
                    for t in self.outputs[i])
+
+
+def _eigen_conv_threads():
+    """Intra-op threads when convolution gradients run on TensorFlow's own CPU kernels
+    (no GPU, oneDNN off), else 0: those kernels' workspaces are then part of the peak."""
+    if tf.config.list_physical_devices("GPU") or _tf_private.onednn_enabled():
+        return 0
+    return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
 
 
 def _is_data(t):

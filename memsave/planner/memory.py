@@ -251,8 +251,11 @@ class MemoryModel:
         incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
         for tid in graph.grad_reads[op]:
             timeline.use(buffers[tid], step)
-        if graph.grad_temporaries[op]:
-            timeline.buffer(step, graph.grad_temporaries[op], "gradients")
+        temporaries = graph.grad_temporaries[op]
+        if label[0] == "backward" and label[2] is not None:  # a segment of the rewrite
+            temporaries = graph.rewrite_grad_temporaries.get(op, temporaries)
+        if temporaries:
+            timeline.buffer(step, temporaries, "gradients")
         aliased = graph.alias_of[graph.outputs[op][0]] >= 0 if graph.outputs[op] else False
         for tid, nbytes in graph.grad_inputs[op]:
             shares = incoming[0] if aliased and incoming and incoming[0] is not None else None

@@ -110,6 +110,47 @@ def gradient_temporaries(op_type, input_bytes, output_bytes, differentiated):
     return 0
 
 
+# TensorFlow's own CPU kernels for the gradients of Conv2D (used when oneDNN is off)
+# im2col into a temporary sized to fill a 30 MiB "L3 cache" working set
+# (tensorflow/core/kernels/conv_grad_{filter,input}_ops.cc), whatever the batch.
+_EIGEN_WORKING_SET = 30 << 20
+_EIGEN_L2 = 256 << 10
+
+
+def conv_gradient_workspace(op, differentiated, threads):
+    """Bytes of the im2col buffers TensorFlow's CPU kernels allocate for the gradients
+    of a Conv2D `op` (NHWC, static shapes); (0, 0) where that does not apply.
+
+    Args:
+      op: a Conv2D op.
+      differentiated: indices of its inputs that receive a gradient (0: the input,
+        1: the filter).
+      threads: the CPU device's intra-op threads.
+    Returns:
+      (bytes of the filter gradient's buffer, bytes of the input gradient's buffer).
+    """
+    if op.type != "Conv2D" or _attr(op, "data_format") not in (None, "NHWC"):
+        return 0, 0
+    x, kernel, y = op.inputs[0].shape, op.inputs[1].shape, op.outputs[0].shape
+    if not (x.is_fully_defined() and kernel.is_fully_defined() and y.is_fully_defined()):
+        return 0, 0
+    batch = x[0]
+    dtype_size = op.outputs[0].dtype.size
+    target = _EIGEN_WORKING_SET // dtype_size
+    image = y[1] * y[2]                        # output positions per image
+    window = kernel[0] * kernel[1] * kernel[2]  # filter_total_size
+    depth = kernel[3]
+    work = image * window + image * depth + window * depth
+    for_filter = for_input = 0
+    if 1 in differentiated:  # Conv2DBackpropFilter: always sharded
+        for_filter = -(-target // work) * image * window * dtype_size
+    if 0 in differentiated:  # Conv2DBackpropInput: one image at a time when work is large
+        parallel = batch == 1 or work // max(threads, 1) >= _EIGEN_L2 // dtype_size
+        shard = 1 if parallel else -(-target // work)
+        for_input = shard * image * window * dtype_size
+    return for_filter, for_input
+
+
 def _elements(shape):
     dims = [1 if d is None else d for d in shape]
     return int(np.prod(dims, dtype=np.int64)) if dims else 1
