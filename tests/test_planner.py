@@ -311,3 +311,86 @@ def test_always_rewrite_restores_the_previous_setting(monkeypatch):
     assert not rewrite._always_rewrite()
     monkeypatch.setenv(rewrite.ALWAYS_REWRITE_ENV, "1")
     assert rewrite._always_rewrite()
+
+
+# -- TensorFlow's own CPU convolution kernels (oneDNN off) ------------------------------
+
+def _conv(input_shape, kernel_shape, stride=1):
+    x = tf.compat.v1.placeholder(tf.float32, input_shape)
+    kernel = tf.compat.v1.placeholder(tf.float32, kernel_shape)
+    return tf.nn.conv2d(x, kernel, stride, "SAME").op
+
+
+def test_conv_gradient_workspaces_follow_tensorflows_cpu_kernels():
+    with tf.Graph().as_default():
+        # 32 images of 32x32x16 to 16x16x32 (stride 2): measured with the profiler,
+        # Conv2DBackpropFilter's im2col buffer is [87, 256, 144] and
+        # Conv2DBackpropInput's [159, 256, 144] (a 30 MiB working set each).
+        op = _conv([32, 32, 32, 16], [3, 3, 16, 32], stride=2)
+        for_filter, for_input = opinfo.conv_gradient_workspace(op, [0, 1], threads=2)
+        work = 256 * 144 + 256 * 32 + 144 * 32
+        assert for_filter == -(-(30 << 18) // work) * 256 * 144 * 4
+        assert for_input == 159 * 256 * 144 * 4
+        assert opinfo.conv_gradient_workspace(op, [1], threads=2) == (for_filter, 0)
+        # A single image: the input gradient takes one image at a time.
+        single = _conv([1, 32, 32, 16], [3, 3, 16, 32], stride=2)
+        assert opinfo.conv_gradient_workspace(single, [0], threads=2) == (0, 256 * 144 * 4)
+        unknown = _conv([None, 32, 32, 16], [3, 3, 16, 32])
+        assert opinfo.conv_gradient_workspace(unknown, [0, 1], threads=2) == (0, 0)
+
+
+def _conv_chain_model(monkeypatch, onednn):
+    from memsave.graph import _tf_private
+    monkeypatch.setattr(_tf_private, "onednn_enabled", lambda: onednn)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [16, 16, 16, 8])
+        rng = np.random.default_rng(0)
+        h = x
+        for _ in range(6):
+            h = tf.nn.relu(tf.nn.conv2d(
+                h, tf.constant(rng.standard_normal([3, 3, 8, 8]).astype(np.float32) * 0.1),
+                1, "SAME"))
+        loss = tf.reduce_sum(h * h)
+    return graph, loss, x
+
+
+def test_eigen_conv_workspaces_raise_the_predicted_peak(monkeypatch):
+    graph, loss, x = _conv_chain_model(monkeypatch, onednn=True)
+    with graph.as_default():
+        with_onednn = memsave.plan(loss, [x], [])
+    graph, loss, x = _conv_chain_model(monkeypatch, onednn=False)
+    with graph.as_default():
+        without = memsave.plan(loss, [x], [])
+    # The input gradient's im2col buffer of one 3x3x8 -> 8 convolution on 16 images.
+    work = 256 * 72 + 256 * 8 + 72 * 8
+    workspace = -(-(30 << 18) // work) * 256 * 72 * 4
+    assert without.baseline_peak_bytes >= workspace > 10 * with_onednn.baseline_peak_bytes
+
+
+def test_rewrite_runs_a_convolutions_two_gradients_one_after_the_other(monkeypatch):
+    graph, loss, x = _conv_chain_model(monkeypatch, onednn=False)
+    with graph.as_default():
+        expected = tf.gradients(loss, [x])
+        before = len(graph.get_operations())
+        got = memsave.gradients(loss, [x], checkpoints="memory")
+        added = graph.get_operations()[before:]
+        input_grads = [op for op in added if op.type == "Conv2DBackpropInput"]
+        assert input_grads
+        for op in input_grads:
+            waits_for = [c.type for c in op.control_inputs]
+            assert "Conv2DBackpropFilter" in waits_for, op.name
+        with tf.compat.v1.Session() as session:
+            feed = {x: np.random.default_rng(1).standard_normal([16, 16, 16, 8]).astype(np.float32)}
+            want, have = session.run([expected, got], feed)
+    np.testing.assert_allclose(have[0], want[0], rtol=1e-4, atol=1e-5)
+
+
+def test_with_onednn_the_rewrite_adds_no_ordering_between_conv_gradients(monkeypatch):
+    graph, loss, x = _conv_chain_model(monkeypatch, onednn=True)
+    with graph.as_default():
+        before = len(graph.get_operations())
+        memsave.gradients(loss, [x], checkpoints="memory")
+        added = graph.get_operations()[before:]
+    assert not any(c.type == "Conv2DBackpropFilter" for op in added
+                   if op.type == "Conv2DBackpropInput" for c in op.control_inputs)
