@@ -48,12 +48,12 @@ def why_not_recomputable(op):
     return None
 
 
-def estimated_bytes(t):
-    """Static size estimate of a tensor; unknown dimensions count as 1."""
-    if t.shape.rank is None:
-        return t.dtype.size if t.dtype != tf.resource and t.dtype != tf.variant else 0
-    dims = [d if d is not None else 1 for d in t.shape.as_list()]
+def estimated_bytes(t, unknown_dim_size=1):
+    """Static size estimate of a tensor; unknown dimensions count as `unknown_dim_size`."""
     size = t.dtype.size if t.dtype not in (tf.string, tf.resource, tf.variant) else 0
+    if t.shape.rank is None:
+        return size
+    dims = [d if d is not None else unknown_dim_size for d in t.shape.as_list()]
     return int(np.prod(dims, dtype=np.int64)) * size
 
 

@@ -49,6 +49,8 @@ class RewriteReport:
     including `resident_bytes` (inputs, constants, variables); `peak_at` says
     where in the step the peak falls. `recompute_flops` is the estimated cost of
     the recomputed copies, `forward_flops` that of one forward pass of the region.
+    `unknown_dims` tensors had unknown dimensions, counted as `unknown_dim_size`
+    (see memsave.plan's and memsave.budget's `unknown_dim_size`).
     """
     strategy: str
     region_ops: int
@@ -64,6 +66,8 @@ class RewriteReport:
     resident_bytes: Optional[int] = None
     recompute_flops: int = 0
     forward_flops: int = 0
+    unknown_dims: int = 0
+    unknown_dim_size: int = 1
 
     @property
     def kept_bytes(self):
@@ -101,7 +105,12 @@ class RewriteReport:
                 f"{_mb(self.baseline_peak_bytes)}")
         if self.baseline_peak_bytes:
             text += f" ({self.predicted_peak_bytes / self.baseline_peak_bytes:.2f}x)"
-        return text + f", at {self.peak_at}"
+        text += f", at {self.peak_at}"
+        if self.unknown_dims:
+            text += (f" ({self.unknown_dims} tensors have unknown dimensions, counted as "
+                     f"{self.unknown_dim_size}: pass unknown_dim_size= to memsave.plan or "
+                     "memsave.budget)")
+        return text
 
     def format(self):
         """A readable table of checkpoints and segments."""

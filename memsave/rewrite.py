@@ -156,16 +156,27 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
 
 
 @_graph_code
-def plan(ys, xs, checkpoints="collection"):
+def plan(ys, xs, checkpoints="collection", unknown_dim_size=None):
     """What `gradients` would keep, without adding anything to the graph.
 
+    Args:
+      ys, xs, checkpoints: as for `gradients`.
+      unknown_dim_size: the size the memory model assumes for unknown dimensions
+        (e.g. the batch fed to a placeholder of shape [None, ...]); default 1. The
+        report's `unknown_dims` says how many tensors that concerns.
     Returns:
-      A RewriteReport with the region and the checkpoints (no segments).
+      A RewriteReport with the region, the checkpoints and the predicted peaks
+      (no segments).
     """
     ys, graph = inputs.normalise_ys(ys)
     xs = inputs.normalise_xs(xs, graph)
     strategy, strategy_name = inputs.resolve_strategy(checkpoints, graph)
+    if unknown_dim_size is not None and (isinstance(unknown_dim_size, bool) or not isinstance(
+            unknown_dim_size, int) or unknown_dim_size < 1):
+        raise MemsaveError(f"unknown_dim_size is {unknown_dim_size!r}; pass a positive int, "
+                           "e.g. the batch size fed to a [None, ...] placeholder")
     region = ForwardRegion.build(ys, xs)
+    region.cache[planner.UNKNOWN_DIM_SIZE] = unknown_dim_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemsaveWarning)
         kept, dropped = _select_checkpoints(strategy(region), region)
@@ -189,7 +200,8 @@ def _report(strategy_name, region, kept, dropped):
         dropped=dropped,
         not_recomputable=[(op.name, why) for op, why in region.kept_ops],
         baseline_peak_bytes=baseline.peak_bytes, baseline_peak_at=baseline.peak_at,
-        resident_bytes=baseline.resident_bytes)
+        resident_bytes=baseline.resident_bytes, unknown_dims=len(model.graph.unknown_dims),
+        unknown_dim_size=model.graph.unknown_dim_size)
     if not kept:
         report.predicted_peak_bytes = baseline.peak_bytes
         report.peak_at = baseline.peak_at

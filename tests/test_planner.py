@@ -394,3 +394,25 @@ def test_with_onednn_the_rewrite_adds_no_ordering_between_conv_gradients(monkeyp
         added = graph.get_operations()[before:]
     assert not any(c.type == "Conv2DBackpropFilter" for op in added
                    if op.type == "Conv2DBackpropInput" for c in op.control_inputs)
+
+
+def test_unknown_dimensions_are_counted_as_the_size_the_user_gives():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 256])
+        h = x
+        for _ in range(8):
+            h = tf.tanh(h)
+        loss = tf.reduce_sum(h)
+        assumed = memsave.plan(loss, [x], [])
+        given = memsave.plan(loss, [x], [], unknown_dim_size=64)
+        with pytest.raises(memsave.MemsaveError, match="unknown_dim_size is 0"):
+            memsave.plan(loss, [x], [], unknown_dim_size=0)
+        budgeted = memsave.plan(loss, [x], memsave.budget(0.6, unknown_dim_size=64))
+    row = 256 * 4
+    assert assumed.unknown_dims == 9 and assumed.unknown_dim_size == 1  # x and 8 tanh outputs
+    assert "9 tensors have unknown dimensions, counted as 1" in assumed.summary()
+    assert given.baseline_peak_bytes == pytest.approx(64 * assumed.baseline_peak_bytes, rel=0.01)
+    assert given.baseline_peak_bytes >= 11 * 64 * row
+    assert budgeted.unknown_dim_size == 64
+    assert budgeted.predicted_peak_bytes <= 0.6 * given.baseline_peak_bytes

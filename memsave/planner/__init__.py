@@ -12,11 +12,20 @@ from memsave.planner.memory import MemoryModel, Prediction
 from memsave.planner.segments import Segmentation
 
 
+UNKNOWN_DIM_SIZE = "unknown_dim_size"  # region.cache key: size assumed for unknown dims
+
+
 def model_of(region):
-    """The MemoryModel of a ForwardRegion, built once per region."""
+    """The MemoryModel of a ForwardRegion, built once per region.
+
+    Unknown dimensions count as region.cache[UNKNOWN_DIM_SIZE] (default 1), which
+    memsave.plan(..., unknown_dim_size=) and memsave.budget(..., unknown_dim_size=)
+    set before the model is first built.
+    """
     model = region.cache.get("memory_model")
     if model is None:
-        model = MemoryModel(StepGraph.build(region))
+        size = region.cache.get(UNKNOWN_DIM_SIZE) or 1
+        model = MemoryModel(StepGraph.build(region, unknown_dim_size=size))
         region.cache["memory_model"] = model
     return model
 

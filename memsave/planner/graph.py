@@ -51,7 +51,8 @@ class StepGraph:
         (convolution gradients that the rewrite runs one after the other).
       cost: per op, estimated FLOPs of running it once.
       is_x, is_y: per tensor, booleans.
-      unknown_dims: names of tensors whose size assumed an unknown dimension of 1.
+      unknown_dims: names of floating tensors with unknown dimensions, whose size
+        assumed `unknown_dim_size` for them.
     """
 
     def __init__(self):
@@ -62,13 +63,21 @@ class StepGraph:
         self.tensor_id = {}
         self.op_id = {}
         self.unknown_dims = []
+        self.unknown_dim_size = 1
         self.conv_threads = 0
         self.rewrite_grad_temporaries = {}
 
     @classmethod
-    def build(cls, region):
-        """Compiles the forward pass of `region` (a memsave.region.ForwardRegion)."""
+    def build(cls, region, unknown_dim_size=1):
+        """Compiles the forward pass of `region` (a memsave.region.ForwardRegion).
+
+        Args:
+          region: the ForwardRegion.
+          unknown_dim_size: the size assumed for unknown dimensions (a batch fed
+            through a placeholder of shape [None, ...]).
+        """
         step = cls()
+        step.unknown_dim_size = unknown_dim_size
         step.conv_threads = _eigen_conv_threads()
         ops = _forward_ops_in_order(region.ys)
         kept = {op for op, _ in region.kept_ops}
@@ -89,7 +98,7 @@ class StepGraph:
             tid = len(self.tensors)
             self.tensor_id[(op, t.value_index)] = tid
             self.tensors.append(t)
-            self.size.append(estimated_bytes(t))
+            self.size.append(estimated_bytes(t, self.unknown_dim_size))
             if t.shape.rank is not None and None in t.shape.as_list() and t.dtype.is_floating:
                 self.unknown_dims.append(t.name)
             self.producer.append(index)

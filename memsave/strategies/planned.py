@@ -64,18 +64,25 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
     Args:
       limit: bytes (an int > 0), or a fraction in (0, 1] of plain tf.gradients'
         predicted peak for the same step.
+      unknown_dim_size: the size the memory model assumes for unknown dimensions
+        (e.g. the batch of a [None, ...] placeholder); default 1.
     Raises:
       MemsaveError: for a bad limit (here), and, when the gradients are built,
         for a limit that no plan meets (naming the smallest reachable peak).
     """
 
-    def __init__(self, limit):
+    def __init__(self, limit, unknown_dim_size=None):
+        if unknown_dim_size is not None and (isinstance(unknown_dim_size, bool) or not isinstance(
+                unknown_dim_size, int) or unknown_dim_size < 1):
+            raise MemsaveError(f"unknown_dim_size is {unknown_dim_size!r}; pass a positive int, "
+                               "e.g. the batch size fed to a [None, ...] placeholder")
+        self.unknown_dim_size = unknown_dim_size
         if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
             raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int, e.g. 512 * 2**20) "
                                "or a fraction in (0, 1] of tf.gradients' peak (e.g. 0.5)")
         if isinstance(limit, numbers.Integral) and limit > 1:
             self.limit = int(limit)
-        elif 0 < limit <= 1:
+        elif 0 < limit <= 1:  # (NaN fails this too)
             self.limit = float(limit)
         else:
             raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int > 1) or a fraction "
@@ -91,6 +98,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         return self.limit
 
     def __call__(self, region):
+        if self.unknown_dim_size is not None:
+            region.cache[planner.UNKNOWN_DIM_SIZE] = self.unknown_dim_size
         model = planner.model_of(region)
         limit = self.limit_bytes(model)
         baseline = model.baseline()
