@@ -170,3 +170,17 @@ def test_keras_fit_step_saves_memory():
     np.testing.assert_allclose(memsaved["losses"], plain["losses"], rtol=1e-5)
     print("\n" + keras_fit_memory.format_rows(rows))
     assert memsaved["ratio"] < 0.7, rows
+
+
+def test_budget_strategy_fits_and_is_saved(tmp_path, reference_history):
+    # This model's weights dominate its peak: the whole budget goes to tf.gradients' plan.
+    budget = memsave.budget(1.0, unknown_dim_size=BATCH)
+    model = _compile(_functional(memsave.keras.MemsaveModel, checkpoints=budget))
+    _assert_same_history(_fit(model), reference_history)
+    report = memsave.last_report()
+    assert report.strategy == "budget(1.0)" and "fits the budget" in report.fallback
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert isinstance(loaded.memsave_checkpoints, memsave.budget)
+    assert loaded.memsave_checkpoints.limit == 1.0
+    assert loaded.memsave_checkpoints.unknown_dim_size == BATCH

@@ -183,3 +183,28 @@ def test_custom_training_loop_losses_match(checkpoints):
     memsaved = _custom_loop(lambda ys, xs: memsave.gradients(ys, xs, checkpoints=checkpoints))
     np.testing.assert_allclose(memsaved, plain, rtol=1e-5)
     assert plain[-1] < plain[0]
+
+
+def test_budget_works_as_gradient_function_and_optimizer_strategy():
+    budget = memsave.budget(0.6)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [256, 256])
+        w = tf.Variable(np.eye(256, dtype=np.float32) * 0.5)
+        h = tf.matmul(x, w)
+        for _ in range(16):
+            h = tf.tanh(h)
+        loss = tf.reduce_sum(h * h)
+        expected = tf.gradients(loss, [w])
+        by_function = memsave.gradient_function(checkpoints=budget)(loss, [w])
+        report = memsave.last_report()
+        assert report.segments and report.predicted_peak_bytes <= 0.6 * report.baseline_peak_bytes
+        train = memsave.MemsaveOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.0),
+                                         checkpoints=budget).minimize(loss, var_list=[w])
+        assert memsave.last_report().strategy == "budget(0.6)"
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.RandomState(0).uniform(-1, 1, [256, 256]).astype(np.float32)}
+            want, have = session.run([expected, by_function], feed)
+            session.run(train, feed)
+    np.testing.assert_allclose(have[0], want[0], rtol=1e-4, atol=1e-5)

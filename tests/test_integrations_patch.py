@@ -324,3 +324,28 @@ def test_patched_minimize_saves_memory():
     print(f"v1 minimize peak: plain {plain['peak'] / 2**20:.1f} MiB, "
           f"patched {patched['peak'] / 2**20:.1f} MiB, ratio {ratio:.2f}")
     assert ratio < 0.75, (plain, patched)
+
+
+def test_patch_takes_a_budget():
+    x_value = np.random.RandomState(4).uniform(-1, 1, [256, 256]).astype(np.float32)
+
+    def loss_of(x):
+        h = x
+        for _ in range(16):
+            h = tf.tanh(h)
+        return tf.reduce_sum(h * h)
+
+    @tf.function
+    def plain(x):
+        return tf.gradients(loss_of(x), [x])
+
+    @tf.function
+    @memsave.patch(checkpoints=memsave.budget(0.6))
+    def patched(x):
+        return tf.gradients(loss_of(x), [x])
+
+    np.testing.assert_allclose(patched(x_value)[0].numpy(), plain(x_value)[0].numpy(),
+                               rtol=1e-5, atol=1e-6)
+    report = memsave.last_report()
+    assert report.strategy == "budget(0.6)" and report.segments
+    assert report.predicted_peak_bytes <= 0.6 * report.baseline_peak_bytes

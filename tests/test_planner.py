@@ -212,8 +212,8 @@ def test_budget_that_cannot_be_met_raises_before_adding_ops():
     graph, loss, x = _chain_graph()
     with graph.as_default():
         before = len(graph.get_operations())
-        with pytest.raises(memsave.MemsaveError, match=r"budget of 1\.0 MB cannot be met: the "
-                           r"smallest predicted peak memsave can reach on this graph is \d+\.\d MB"):
+        with pytest.raises(memsave.MemsaveError, match=r"budget of 1 MB cannot be met: the "
+                           r"smallest predicted peak memsave can reach on this graph is [\d.]+ MB"):
             memsave.gradients(loss, [x], checkpoints=memsave.budget(2**20))
         assert len(graph.get_operations()) == before
 

@@ -44,6 +44,7 @@ from keras.src.models.functional import Functional as _Functional
 from memsave import rewrite as _rewrite
 from memsave.errors import MemsaveError
 from memsave.integrations.optimizers import check_checkpoints
+from memsave.strategies.planned import budget as _budget
 
 _log = logging.getLogger(__name__)
 
@@ -163,10 +164,14 @@ class MemsaveTrainStep:
         return False
 
     def get_config(self):
-        """The Keras config plus the strategy (when it is a name), for saving."""
+        """The Keras config plus the strategy (a name or a budget), for saving."""
         config = super().get_config()
-        if isinstance(self.memsave_checkpoints, str):
-            config["memsave_checkpoints"] = self.memsave_checkpoints
+        checkpoints = self.memsave_checkpoints
+        if isinstance(checkpoints, str):
+            config["memsave_checkpoints"] = checkpoints
+        elif isinstance(checkpoints, _budget):
+            config["memsave_checkpoints"] = {"budget": checkpoints.limit,
+                                             "unknown_dim_size": checkpoints.unknown_dim_size}
         return config
 
     @classmethod
@@ -174,6 +179,9 @@ class MemsaveTrainStep:
         """Rebuilds a saved model, strategy included."""
         config = dict(config)
         checkpoints = config.pop("memsave_checkpoints", cls.memsave_checkpoints)
+        if isinstance(checkpoints, dict) and "budget" in checkpoints:
+            checkpoints = _budget(checkpoints["budget"],
+                                         unknown_dim_size=checkpoints.get("unknown_dim_size"))
         model = super().from_config(config, custom_objects=custom_objects)
         model.memsave_checkpoints = checkpoints
         return model

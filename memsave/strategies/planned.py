@@ -18,7 +18,7 @@ PLAIN = "plain"  # region.cache key: why plain tf.gradients is the better plan
 
 
 def _mb(n):
-    return f"{n / 2**20:.1f} MB"
+    return f"{n / 2**20:.3g} MB"
 
 
 def _choices(model, plan, reason):
