@@ -215,8 +215,8 @@ def _report(strategy_name, region, kept, dropped):
             and not _always_rewrite()):
         report.fallback = (
             f"memsave: strategy {strategy_name!r} is predicted to peak at "
-            f"{prediction.peak_bytes / 2**20:.1f} MB, not below tf.gradients' "
-            f"{baseline.peak_bytes / 2**20:.1f} MB, so plain tf.gradients was used")
+            f"{prediction.peak_bytes / 2**20:.3g} MB, not below tf.gradients' "
+            f"{baseline.peak_bytes / 2**20:.3g} MB, so plain tf.gradients was used")
     return report
 
 
