@@ -541,8 +541,8 @@ def sweep(model="cnn", depths=None, strategies=None, batch=None, steps=3, warmup
     return all_rows
 
 
-def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
-    """Draws memory vs depth and step time vs depth; returns False if matplotlib is missing."""
+def _pyplot():
+    """matplotlib.pyplot (headless), or None with a warning when it is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -550,6 +550,25 @@ def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
     except ImportError:
         logger.warning("matplotlib is not installed, so no plot was drawn "
                        "(pip install matplotlib, or memsave[bench]); the CSV has the numbers")
+        return None
+    return plt
+
+
+def _save_figure(plt, figure, png_path, title, width, fontsize):
+    """Titles `figure` with `title` wrapped at `width` characters and writes it to png_path."""
+    if title:
+        import textwrap
+        figure.suptitle("\n".join(textwrap.wrap(title, width)), fontsize=fontsize)
+    figure.tight_layout()
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+
+
+def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
+    """Draws memory vs depth and step time vs depth; returns False if matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return False
     strategies = list(dict.fromkeys(row["strategy"] for row in rows))
     figure, (memory_axes, time_axes) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -577,13 +596,7 @@ def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
     for axes in (memory_axes, time_axes):
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
-    if title:
-        import textwrap
-        figure.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
-    figure.tight_layout()
-    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(png_path, dpi=110)
-    plt.close(figure)
+    _save_figure(plt, figure, png_path, title, width=150, fontsize=8)
     return True
 
 
@@ -626,13 +639,8 @@ def budget_sweep(model="cnn", budgets=DEFAULT_BUDGETS, depth=None, batch=None, s
 
 def plot_budget_sweep(rows, png_path, title=None):
     """Measured peak against step time: the budget curve and the strategies as points."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed, so no plot was drawn "
-                       "(pip install matplotlib, or memsave[bench]); the CSV has the numbers")
+    plt = _pyplot()
+    if plt is None:
         return False
     ok = [r for r in rows if r["status"] == "ok" and r["time_ratio"] is not None]
     budgets = [r for r in ok if r["strategy"].startswith("budget:")]
@@ -653,13 +661,7 @@ def plot_budget_sweep(rows, png_path, title=None):
              title="peak memory against step time")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
-    if title:
-        import textwrap
-        figure.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=7)
-    figure.tight_layout()
-    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(png_path, dpi=110)
-    plt.close(figure)
+    _save_figure(plt, figure, png_path, title, width=110, fontsize=7)
     return True
 
 

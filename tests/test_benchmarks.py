@@ -77,7 +77,8 @@ def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("strategy"))
-    for column in ("peak MB", "x tf", "step ms", "max rel err", "build s"):
+    for column in ("peak MB", "x tf", "predicted MB", "pred err", "step ms", "max rel err",
+                   "build s"):
         assert column in header
     rows = _read_csv(csv_path)
     assert [row["strategy"] for row in rows] == ["tf.gradients", "memory"]
@@ -85,10 +86,27 @@ def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
         assert row["status"] == "ok", row["message"]
         assert float(row["peak_mb"]) > 0 and float(row["step_ms"]) > 0
         assert float(row["grad_build_s"]) > 0
+        assert float(row["predicted_mb"]) > 0
     assert float(rows[0]["peak_ratio"]) == 1.0
     assert float(rows[1]["max_rel_err"]) <= 1e-4
     markdown = md_path.read_text(encoding="utf-8")
     assert "| strategy | peak MB |" in markdown and "| memory |" in markdown
+
+
+def test_budget_sweep_runs_budgets_down_to_an_infeasible_one(tmp_path, capsys):
+    csv_path, png_path = tmp_path / "budget.csv", tmp_path / "budget.png"
+    code = compare.main(["--model", "mlp", "--depth", "4", "--batch", "512", "--steps", "1",
+                         "--warmup", "0", "--budget-sweep", "--budgets", "1,0.01", "--csv",
+                         str(csv_path), "--png", str(png_path), "--quiet"])
+    assert code == 0
+    rows = {row["strategy"]: row for row in _read_csv(csv_path)}
+    assert set(rows) == {"tf.gradients", "speed", "memory", "collection", "budget:1",
+                         "budget:0.01"}
+    assert rows["budget:1"]["status"] == "ok"
+    assert rows["budget:0.01"]["status"] == "error"
+    assert "cannot be met" in rows["budget:0.01"]["message"]
+    assert png_path.exists() or "matplotlib" not in sys.modules
+    assert "budget:0.01" in capsys.readouterr().out
 
 
 def test_sweep_records_out_of_memory_as_oom(tmp_path, capsys):
