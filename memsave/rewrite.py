@@ -171,12 +171,8 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None):
     ys, graph = inputs.normalise_ys(ys)
     xs = inputs.normalise_xs(xs, graph)
     strategy, strategy_name = inputs.resolve_strategy(checkpoints, graph)
-    if unknown_dim_size is not None and (isinstance(unknown_dim_size, bool) or not isinstance(
-            unknown_dim_size, int) or unknown_dim_size < 1):
-        raise MemsaveError(f"unknown_dim_size is {unknown_dim_size!r}; pass a positive int, "
-                           "e.g. the batch size fed to a [None, ...] placeholder")
     region = ForwardRegion.build(ys, xs)
-    region.cache[planner.UNKNOWN_DIM_SIZE] = unknown_dim_size
+    region.cache[planner.UNKNOWN_DIM_SIZE] = planner.check_unknown_dim_size(unknown_dim_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemsaveWarning)
         kept, dropped = _select_checkpoints(strategy(region), region)

@@ -7,12 +7,26 @@ searches that choose checkpoints with them.
 - memory.py:   the simulated peak of the plain and the rewritten step.
 """
 
+from memsave.errors import MemsaveError
 from memsave.planner.graph import StepGraph
 from memsave.planner.memory import MemoryModel, Prediction
 from memsave.planner.segments import Segmentation
 
 
 UNKNOWN_DIM_SIZE = "unknown_dim_size"  # region.cache key: size assumed for unknown dims
+
+
+def check_unknown_dim_size(value):
+    """Returns `value` (None or a positive int: the size assumed for unknown dimensions).
+
+    Raises:
+      MemsaveError: for anything else.
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise MemsaveError(f"unknown_dim_size is {value!r}; pass a positive int, e.g. the batch "
+                           "size fed to a [None, ...] placeholder")
+    return value
 
 
 def model_of(region):
@@ -30,4 +44,5 @@ def model_of(region):
     return model
 
 
-__all__ = ["StepGraph", "MemoryModel", "Prediction", "Segmentation", "model_of"]
+__all__ = ["StepGraph", "MemoryModel", "Prediction", "Segmentation", "model_of",
+           "check_unknown_dim_size"]

@@ -72,11 +72,7 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
     """
 
     def __init__(self, limit, unknown_dim_size=None):
-        if unknown_dim_size is not None and (isinstance(unknown_dim_size, bool) or not isinstance(
-                unknown_dim_size, int) or unknown_dim_size < 1):
-            raise MemsaveError(f"unknown_dim_size is {unknown_dim_size!r}; pass a positive int, "
-                               "e.g. the batch size fed to a [None, ...] placeholder")
-        self.unknown_dim_size = unknown_dim_size
+        self.unknown_dim_size = planner.check_unknown_dim_size(unknown_dim_size)
         if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
             raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int, e.g. 512 * 2**20) "
                                "or a fraction in (0, 1] of tf.gradients' peak (e.g. 0.5)")
