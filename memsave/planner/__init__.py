@@ -4,7 +4,9 @@ searches that choose checkpoints with them.
 - graph.py:    the step compiled to integer lists (StepGraph);
 - opinfo.py:   per op type, what its gradient reads and what it costs;
 - segments.py: which segment recomputes which op (shared by the rewrite);
-- memory.py:   the simulated peak of the plain and the rewritten step.
+- memory.py:   the simulated peak of the plain and the rewritten step;
+- search.py:   the plans with the lowest predicted peak, or the least recomputation
+               under a budget.
 """
 
 from memsave.errors import MemsaveError
