@@ -339,7 +339,6 @@ class _Rewrite:
         self.options = options
         self.report = report
         self.pending = TensorMap()  # tensor -> list of gradient contributions
-        self.graph = ys[0].graph
         # TensorFlow's own CPU convolution gradients each allocate a ~30 MiB im2col
         # buffer; run the two of one convolution one after the other (as the memory
         # model assumes for the rewrite), not side by side.
@@ -387,11 +386,10 @@ class _Rewrite:
             copied_ys = [copy.transformed(y) for y in seg_ys]
             stop = [copy.transformed(t) for t in self.options.stop if copy.transformed(t) is not None]
             locals_ = [replacements[t] for t in local_inputs]
-            first_new_op = len(self.graph.get_operations())
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
             if self.serialize_conv_gradients:
-                _serialize_conv_gradients(self.graph.get_operations()[first_new_op:])
+                _serialize_conv_gradients(copy.ops)
         for t, g in zip(local_inputs, grads):
             if g is not None:
                 self._add(t, g)
@@ -467,18 +465,20 @@ class _Rewrite:
         return result
 
 
-def _serialize_conv_gradients(ops):
-    """Makes each Conv2DBackpropInput among `ops` wait for the Conv2DBackpropFilter of
-    the same convolution (the two read the same incoming gradient)."""
-    filter_grads = {}
-    for op in ops:
-        if op.type == "Conv2DBackpropFilter":
-            filter_grads[tensor_key(op.inputs[2])] = op
-    for op in ops:
-        if op.type == "Conv2DBackpropInput":
-            partner = filter_grads.get(tensor_key(op.inputs[2]))
-            if partner is not None:
-                _tf_private.add_control_inputs(op, [partner])
+def _serialize_conv_gradients(copied_ops):
+    """Makes the Conv2DBackpropInput of each copied Conv2D wait for its
+    Conv2DBackpropFilter. The two read the convolution's input and filter and the
+    same incoming gradient, so they are found among those tensors' consumers."""
+    for op in copied_ops:
+        if op.type != "Conv2D":
+            continue
+        filter_grads = {tensor_key(c.inputs[2]): c for c in op.inputs[0].consumers()
+                        if c.type == "Conv2DBackpropFilter"}
+        for consumer in op.inputs[1].consumers():
+            if consumer.type == "Conv2DBackpropInput":
+                partner = filter_grads.get(tensor_key(consumer.inputs[2]))
+                if partner is not None:
+                    _tf_private.add_control_inputs(consumer, [partner])
 
 
 def _local_input(t):
