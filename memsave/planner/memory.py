@@ -51,8 +51,6 @@ class Prediction:
       segments: number of recomputed segments.
       breakdown: bytes alive at the peak by kind ('resident', 'forward',
         'recomputed', 'gradients', 'gradients of xs').
-      peak_segment_ops: region op ids of the segment where the peak falls (empty
-        when it falls elsewhere), for the search to split it.
     """
     peak_bytes: int
     resident_bytes: int
@@ -62,7 +60,6 @@ class Prediction:
     checkpoint_bytes: int = 0
     segments: int = 0
     breakdown: Optional[dict] = None
-    peak_segment_ops: tuple = ()
 
     @property
     def recompute_fraction(self):
@@ -228,8 +225,7 @@ class MemoryModel:
             checkpoint_bytes=0 if segmentation is None else sum(
                 graph.size[t] for t in segmentation.checkpoints),
             segments=0 if segmentation is None else len(segmentation.order),
-            breakdown=timeline.live_at(at),
-            peak_segment_ops=self._segment_at(timeline.labels[at], segmentation))
+            breakdown=timeline.live_at(at))
 
     def _forward(self, timeline):
         """Runs every forward op; returns the buffer of each tensor."""
@@ -292,13 +288,6 @@ class MemoryModel:
         for op in reversed(segmentation.final_ops):
             self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
         return recompute
-
-    @staticmethod
-    def _segment_at(label, segmentation):
-        _, _, index = label
-        if segmentation is None or index is None:
-            return ()
-        return tuple(segmentation.ops[segmentation.order[index]])
 
     def _backward_order(self, ops):
         """The gradient steps of `ops` (producers first) in the order an executor

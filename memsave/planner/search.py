@@ -27,7 +27,6 @@ from memsave.planner.graph import REGION, RESIDENT
 
 EXACT_PEAK_LIMIT = 10
 PEAK_TIE = 0.005
-REFINE_ROUNDS = 8
 EXACT_BUDGET_LIMIT = 14
 _GRID = 16
 
@@ -189,35 +188,6 @@ class _Search:
         tied = [f for f in found if f[0].peak_bytes <= lowest * (1 + PEAK_TIE)]
         return min(tied, key=lambda f: (f[0].recompute_flops, f[0].peak_bytes))
 
-    def split_peak_segments(self, found, rounds=REFINE_ROUNDS, tries=3):
-        """Local search from `found` (Prediction, plan): split the segment where the peak
-        falls, at one of its `tries` cheapest cuts in its middle half, while that
-        lowers the peak. Segments near the end of the backward pass hold every
-        gradient computed so far, so they want to be shorter than those near its
-        start; the greedy plans cut evenly."""
-        candidates = self.candidates
-        for _ in range(rounds):
-            prediction, plan = found
-            positions = sorted(candidates.position[op] for op in prediction.peak_segment_ops
-                               if op in candidates.position)
-            if len(positions) < 4:
-                break
-            low, high = positions[len(positions) // 4], positions[3 * len(positions) // 4]
-            cuts = sorted(range(low, min(high, candidates.n_cuts)),
-                          key=lambda k: (candidates.crossing[k], abs(2 * k - low - high)))
-            trials = []
-            for cut in cuts:
-                trial = sorted(set(plan) | set(candidates.tensors_crossing([cut])))
-                if len(trial) > len(plan):
-                    trials.append(trial)
-                if len(trials) == tries:
-                    break
-            better = self.best(trials)
-            if better is None or better[0].peak_bytes >= prediction.peak_bytes:
-                break
-            found = better
-        return found
-
     def with_expensive_outputs(self, plan, expensive, limit_bytes):
         """`plan` plus the longest prefix of `expensive` (best saving per byte first)
         that keeps the predicted peak <= limit_bytes (binary search)."""
@@ -255,8 +225,6 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
     if exact is None:
         exact = len(search.candidates.tensors) <= EXACT_PEAK_LIMIT
     best = search.best(_subsets(search.candidates.tensors) if exact else search.cut_plans())
-    if best is not None and not exact:
-        best = search.split_peak_segments(best)
     if best is None or not expensive or exact:
         return best
     limit = int(best[0].peak_bytes * (1 + tolerance))
