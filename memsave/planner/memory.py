@@ -31,7 +31,7 @@ from typing import Optional
 
 from memsave.planner import opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
-from memsave.planner.segments import LAST, Segmentation
+from memsave.planner.segments import Segmentation
 
 _FOREVER = 1 << 62
 
