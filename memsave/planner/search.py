@@ -204,9 +204,12 @@ class _Search:
 
 
 def _ranked(graph, expensive):
-    """Expensive outputs by recomputation saved per byte kept, best first."""
+    """Expensive outputs by recomputation saved per byte kept, best first; among equals
+    the latest first: a tensor made late in the forward pass is freed early in the
+    backward pass, so it is alive for the shortest time."""
     expensive = [t for t in expensive if graph.size[t] > 0]
-    return sorted(expensive, key=lambda t: -graph.cost[graph.producer[t]] / graph.size[t])
+    return sorted(expensive, key=lambda t: (-graph.cost[graph.producer[t]] / graph.size[t],
+                                            -graph.producer[t]))
 
 
 def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
