@@ -126,8 +126,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, **kwargs):
         kept, dropped = _select_checkpoints(strategy(region), region)
         kept = _with_shared_tensors(kept, region)
         report = _report(strategy_name, region, kept, dropped)
-        if not kept or report.fallback:
-            _explain_fallback(report, region, strategy_name, explicit=checkpoints is not _DEFAULT)
+        if report.fallback:
+            _explain_fallback(report, region, explicit=checkpoints is not _DEFAULT)
             result = _tf_gradients(ys, xs, grad_ys=grad_ys, **kwargs)
         else:
             with tf.name_scope(options.name):
@@ -177,16 +177,15 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None):
         warnings.simplefilter("ignore", MemsaveWarning)
         kept, dropped = _select_checkpoints(strategy(region), region)
     kept = _with_shared_tensors(kept, region)
-    report = _report(strategy_name, region, kept, dropped)
-    if not kept and not report.fallback:
-        report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
-    return report
+    return _report(strategy_name, region, kept, dropped)
 
 
 def _report(strategy_name, region, kept, dropped):
     """The RewriteReport of a plan, with the memory model's predictions.
 
-    Sets `fallback` when the plan is predicted to need no less than plain tf.gradients.
+    Sets `fallback` when there is no plan (nothing usable was chosen, or a budget
+    that plain tf.gradients meets) or it is predicted to need no less than plain
+    tf.gradients.
     """
     model = planner.model_of(region)
     baseline = model.baseline()
@@ -201,6 +200,7 @@ def _report(strategy_name, region, kept, dropped):
     if not kept:
         report.predicted_peak_bytes = baseline.peak_bytes
         report.peak_at = baseline.peak_at
+        report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
         return report
     prediction = model.predict([model.graph.id_of(c.tensor) for c in kept])
     report.predicted_peak_bytes = prediction.peak_bytes
@@ -216,15 +216,10 @@ def _report(strategy_name, region, kept, dropped):
     return report
 
 
-def _explain_fallback(report, region, strategy_name, explicit):
+def _explain_fallback(report, region, explicit):
     """Says why plain tf.gradients is used: a warning only where the caller asked for
     something memsave could not honour (a checkpoint list or strategy they passed)."""
-    if not report.fallback:
-        report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
-        if region.cache.get(PLAIN):
-            logger.info("%s", report.fallback)
-            return
-    if explicit:
+    if explicit and not region.cache.get(PLAIN):  # a budget tf.gradients meets is honoured
         warnings.warn(report.fallback, MemsaveWarning, stacklevel=4)
     else:
         logger.info("%s", report.fallback)

@@ -147,7 +147,7 @@ class StepGraph:
         reads_in, reads_out = opinfo.gradient_reads(op.type, len(op.inputs), len(op.outputs))
         ins, outs = self.inputs[index], self.outputs[index]
         if len(ins) == len(op.inputs):
-            self.grad_reads[index] = [ins[i] for i in reads_in if _is_data(self.tensors[ins[i]])]
+            self.grad_reads[index] = [ins[i] for i in reads_in if is_data(self.tensors[ins[i]])]
         self.grad_reads[index] += [outs[i] for i in reads_out]
         differentiated = []
         for i, tid in enumerate(ins):
@@ -196,8 +196,9 @@ def _eigen_conv_threads():
     return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
 
 
-def _is_data(t):
-    return t.dtype != tf.resource and t.dtype != tf.variant
+def is_data(t):
+    """Whether `t` holds values (not a resource handle, variant or string)."""
+    return t.dtype not in (tf.resource, tf.variant, tf.string)
 
 
 def _kind_of(op, region, kept):

@@ -23,7 +23,7 @@ import itertools
 
 import numpy as np
 
-from memsave.planner.graph import REGION, RESIDENT
+from memsave.planner.graph import REGION, RESIDENT, is_data
 
 EXACT_PEAK_LIMIT = 10
 PEAK_TIE = 0.005
@@ -110,8 +110,8 @@ def _data_dependent(graph):
     data = [False] * len(graph.tensors)
     sources = [t for op, kind in enumerate(graph.kind) if kind == RESIDENT
                and graph.ops[op].type != "Const" for t in graph.outputs[op]
-               if _is_data(graph.tensors[t])]
-    sources += [t for t, is_x in enumerate(graph.is_x) if is_x and _is_data(graph.tensors[t])]
+               if is_data(graph.tensors[t])]
+    sources += [t for t, is_x in enumerate(graph.is_x) if is_x and is_data(graph.tensors[t])]
     for t in sources:
         data[t] = True
     for op in range(len(graph.ops)):
@@ -121,11 +121,6 @@ def _data_dependent(graph):
     if not any(data[t] for op in graph.region_op_ids() for t in graph.outputs[op]):
         return [True] * len(graph.tensors)
     return data
-
-
-def _is_data(t):
-    import tensorflow as tf
-    return t.dtype not in (tf.resource, tf.variant) and t.dtype != tf.string
 
 
 def _subsets(tensors):

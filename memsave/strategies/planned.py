@@ -26,8 +26,6 @@ def _choices(model, plan, reason):
     return [Choice(graph.tensors[t], reason) for t in plan]
 
 
-
-
 def _expensive_outputs(graph):
     """Tensor ids of matmul/convolution outputs in the region: worth keeping to recompute less."""
     return [t for op in graph.region_op_ids() if graph.ops[op].type in EXPENSIVE_OP_TYPES
