@@ -1,9 +1,14 @@
-"""Summing gradient contributions from several segments.
+"""Summing gradient contributions from several segments, placed as tf.gradients places them.
 
 Gradients of checkpoints feed the next segment as `grad_ys`, so they are summed
 densely. Gradients of xs stay `tf.IndexedSlices` when every contribution is one:
 densifying a large embedding gradient costs exactly the memory memsave exists to
 save.
+
+Placement follows tf.gradients' own aggregation: contributions are summed per
+device, each partial sum colocated with its first contribution, then the partial
+sums are added (the caller puts all of it under the colocation of the tensor's op
+when gradients are colocated with ops).
 """
 
 import tensorflow as tf
@@ -17,7 +22,18 @@ def sum_dense(contributions, name="memsave_grad_sum"):
         return None
     if len(dense) == 1:
         return dense[0]
-    return tf.math.add_n(dense, name=name)
+    by_device = {}
+    for g in dense:
+        by_device.setdefault(g.device or "", []).append(g)
+    graph = tf.compat.v1.get_default_graph()
+    partial_sums = []
+    for device in sorted(by_device):
+        group = by_device[device]
+        with graph.colocate_with(group[0].op, ignore_existing=True):
+            partial_sums.append(group[0] if len(group) == 1 else tf.math.add_n(group, name=name))
+    if len(partial_sums) == 1:
+        return partial_sums[0]
+    return tf.math.add_n(partial_sums, name=name)
 
 
 def sum_keeping_sparse(contributions, name="memsave_grad_sum"):
@@ -35,8 +51,3 @@ def sum_keeping_sparse(contributions, name="memsave_grad_sum"):
             indices=tf.concat(indices, axis=0, name=name + "_indices"),
             dense_shape=contributions[0].dense_shape)
     return sum_dense(contributions, name=name)
-
-
-def op_of(gradient):
-    """The op that produces a gradient (the values op for IndexedSlices)."""
-    return gradient.values.op if isinstance(gradient, tf.IndexedSlices) else gradient.op

@@ -1,4 +1,10 @@
-"""The one exception class memsave raises for bad input and unsupported graphs."""
+"""The one exception class memsave raises, and the warning it gives.
+
+Where `tf.gradients` itself refuses an input, memsave refuses it too, before any
+op is added, with its own message but the exception type `tf.gradients` raises
+(a MemsaveError that is also a TypeError, AttributeError or RuntimeError), so
+code written around `tf.gradients` catches what it caught before.
+"""
 
 MESSAGE_PREFIX = "memsave: "
 DEBUG_HINT = ("(for details of what memsave chose, enable logging: "
@@ -9,8 +15,8 @@ class MemsaveError(ValueError):
     """Raised for bad input or a graph memsave cannot rewrite.
 
     Messages start with ``memsave:``, name the bad value and say what to do
-    instead. It subclasses ValueError so existing ``except ValueError`` code that
-    wrapped ``tf.gradients`` keeps working.
+    instead. It subclasses ValueError (what tf.gradients raises for most bad
+    input); the subclasses below also carry the other types tf.gradients raises.
     """
 
     def __init__(self, message, hint=None):
@@ -19,6 +25,19 @@ class MemsaveError(ValueError):
         if hint:
             message = f"{message} {hint}"
         super().__init__(message)
+
+
+class MemsaveTypeError(MemsaveError, TypeError):
+    """Bad input for which tf.gradients raises a TypeError (wrong kind or dtype of value)."""
+
+
+class MemsaveAttributeError(MemsaveError, AttributeError):
+    """Bad input for which tf.gradients raises an AttributeError (None, or no tensor, where it
+    reads `.op`)."""
+
+
+class MemsaveRuntimeError(MemsaveError, RuntimeError):
+    """Called where tf.gradients raises a RuntimeError (eagerly, outside any graph)."""
 
 
 class MemsaveWarning(UserWarning):

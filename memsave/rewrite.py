@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from memsave import aggregate, inputs, planner
 from memsave import report as report_lib
-from memsave.errors import MemsaveError, MemsaveWarning
+from memsave.errors import MemsaveError, MemsaveTypeError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops, tensor_key
 from memsave.graph.transform import copy_with_input_replacements
@@ -96,7 +96,10 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, **kwargs):
     """Gradients of `ys` with respect to `xs`, keeping only checkpoint activations.
 
     A drop-in replacement for `tf.gradients`, for tf.compat.v1 graphs and
-    tf.function bodies.
+    tf.function bodies: every call tf.gradients answers, memsave answers the same
+    (the same structure, dtypes and values). Where it can save nothing (no y
+    depends on an x, integer ys, tensors captured from an enclosing graph, ...)
+    plain tf.gradients answers, and `last_report()` says why.
 
     Args:
       ys: a tensor or list of tensors to differentiate.
@@ -105,34 +108,59 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, **kwargs):
       checkpoints: a list of tensors (or tensor names) to keep, a strategy
         name ('collection', 'memory', 'speed') or a strategy callable.
       **kwargs: as for tf.gradients (gate_gradients, aggregation_method,
-        colocate_gradients_with_ops, stop_gradients, unconnected_gradients, name).
+        colocate_gradients_with_ops (default True, as tf.gradients),
+        stop_gradients, unconnected_gradients, name).
     Returns:
       A list with one gradient per x (None where x does not affect ys, unless
       unconnected_gradients='zero').
     Raises:
-      MemsaveError: for bad input, before anything is added to the graph.
+      MemsaveError: for bad input, before anything is added to the graph; where
+        tf.gradients would raise a TypeError, AttributeError or RuntimeError, the
+        MemsaveError is one too.
     """
-    ys, graph = inputs.normalise_ys(ys)
-    xs = inputs.normalise_xs(xs, graph)
-    grad_ys = inputs.normalise_grad_ys(grad_ys, ys)
+    options = _Options(kwargs)
+    call = inputs.normalise_call(ys, xs, grad_ys, kwargs.get("stop_gradients"))
     strategy, strategy_name = inputs.resolve_strategy(
-        "collection" if checkpoints is _DEFAULT else checkpoints, graph)
-    options = _Options(kwargs, graph)
-    with graph.as_default():
-        region = ForwardRegion.build(ys, xs)
-        if not any(region.is_connected(x) for x in xs):
-            raise MemsaveError("none of the ys depends on any of the xs; check that the loss is "
-                               "computed from the variables/tensors passed as xs")
+        "collection" if checkpoints is _DEFAULT else checkpoints, call.graph)
+    explicit = isinstance(checkpoints, (list, tuple))
+    if call.delegate:
+        report = report_lib.RewriteReport(strategy=strategy_name, region_ops=0,
+                                          fallback=_plain_message(call.delegate))
+        return _plain_gradients(report, explicit, ys, xs, grad_ys, options)
+    options.stop = TensorSet(call.stop)
+    with call.graph.as_default():
+        region = ForwardRegion.build(call.ys, call.xs)
+        if not any(region.is_connected(x) for x in call.xs):
+            report = report_lib.RewriteReport(
+                strategy=strategy_name, region_ops=len(region),
+                fallback=_plain_message("none of the ys depends on any of the xs"))
+            return _plain_gradients(report, explicit, ys, xs, grad_ys, options)
         kept, dropped = _select_checkpoints(strategy(region), region)
         kept = _with_shared_tensors(kept, region)
         report = _report(strategy_name, region, kept, dropped)
         if report.fallback:
-            _explain_fallback(report, region, explicit=checkpoints is not _DEFAULT)
-            result = _tf_gradients(ys, xs, grad_ys=grad_ys, **kwargs)
-        else:
-            with tf.name_scope(options.name):
-                result = _Rewrite(ys, xs, grad_ys, region, [c.tensor for c in kept],
-                                  options, report).run()
+            return _plain_gradients(report, explicit and not region.cache.get(PLAIN),
+                                    ys, xs, grad_ys, options)
+        with tf.name_scope(options.name):
+            result = _Rewrite(call.ys, call.xs, call.grad_ys, region, [c.tensor for c in kept],
+                              options, report).run()
+    report_lib.record(report)
+    return result
+
+
+def _plain_message(reason):
+    return f"memsave: {reason}, so plain tf.gradients answered the call"
+
+
+def _plain_gradients(report, warn, ys, xs, grad_ys, options):
+    """Plain tf.gradients on the caller's own arguments, saying why: a warning only
+    where the caller asked for something memsave could not honour (a checkpoint
+    list), an INFO log otherwise."""
+    if warn:
+        warnings.warn(report.fallback, MemsaveWarning, stacklevel=4)
+    else:
+        logger.info("%s", report.fallback)
+    result = _tf_gradients(ys, xs, grad_ys=grad_ys, **options.plain)
     report_lib.record(report)
     return result
 
@@ -166,12 +194,19 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None):
         report's `unknown_dims` says how many tensors that concerns.
     Returns:
       A RewriteReport with the region, the checkpoints and the predicted peaks
-      (no segments).
+      (no segments); where memsave.gradients would leave the call to plain
+      tf.gradients, its `fallback` says why.
     """
-    ys, graph = inputs.normalise_ys(ys)
-    xs = inputs.normalise_xs(xs, graph)
-    strategy, strategy_name = inputs.resolve_strategy(checkpoints, graph)
-    region = ForwardRegion.build(ys, xs)
+    call = inputs.normalise_call(ys, xs)
+    strategy, strategy_name = inputs.resolve_strategy(checkpoints, call.graph)
+    if call.delegate:
+        return report_lib.RewriteReport(strategy=strategy_name, region_ops=0,
+                                        fallback=_plain_message(call.delegate))
+    region = ForwardRegion.build(call.ys, call.xs)
+    if not any(region.is_connected(x) for x in call.xs):
+        return report_lib.RewriteReport(
+            strategy=strategy_name, region_ops=len(region),
+            fallback=_plain_message("none of the ys depends on any of the xs"))
     region.cache[planner.UNKNOWN_DIM_SIZE] = planner.check_unknown_dim_size(unknown_dim_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemsaveWarning)
@@ -216,28 +251,22 @@ def _report(strategy_name, region, kept, dropped):
     return report
 
 
-def _explain_fallback(report, region, explicit):
-    """Says why plain tf.gradients is used: a warning only where the caller asked for
-    something memsave could not honour (a checkpoint list or strategy they passed)."""
-    if explicit and not region.cache.get(PLAIN):  # a budget tf.gradients meets is honoured
-        warnings.warn(report.fallback, MemsaveWarning, stacklevel=4)
-    else:
-        logger.info("%s", report.fallback)
-
-
 class _Options:
     """The tf.gradients keyword arguments, split by how the rewrite uses them."""
 
-    def __init__(self, kwargs, graph):
+    def __init__(self, kwargs):
         unknown = set(kwargs) - set(_PASSED_THROUGH) - {"stop_gradients", "unconnected_gradients",
                                                         "name"}
         if unknown:
-            raise MemsaveError(f"unexpected keyword argument(s) {sorted(unknown)}; memsave.gradients "
-                               f"accepts tf.gradients' own: {', '.join(_PASSED_THROUGH)}, "
-                               "stop_gradients, unconnected_gradients, name")
+            # (tf.gradients: a TypeError, as for any unexpected keyword)
+            raise MemsaveTypeError(f"unexpected keyword argument(s) {sorted(unknown)}; "
+                                   f"memsave.gradients accepts tf.gradients' own: "
+                                   f"{', '.join(_PASSED_THROUGH)}, stop_gradients, "
+                                   "unconnected_gradients, name")
         self.passed = {k: kwargs[k] for k in _PASSED_THROUGH if k in kwargs}
+        # tf.gradients (TF2) always colocates; tf.compat.v1.gradients' callers pass False.
         self.passed.setdefault("colocate_gradients_with_ops", True)
-        self.stop = TensorSet(inputs.normalise_stop_gradients(kwargs.get("stop_gradients"), graph))
+        self.colocate = bool(self.passed["colocate_gradients_with_ops"])
         unconnected = kwargs.get("unconnected_gradients", tf.UnconnectedGradients.NONE)
         try:
             self.unconnected = tf.UnconnectedGradients(unconnected)
@@ -245,6 +274,12 @@ class _Options:
             raise MemsaveError(f"unconnected_gradients is {unconnected!r}; expected 'none' or "
                                "'zero' (tf.UnconnectedGradients.NONE or .ZERO)") from error
         self.name = kwargs.get("name") or "memsave"
+        # Everything, for a call answered by plain tf.gradients.
+        self.plain = dict(self.passed, unconnected_gradients=self.unconnected,
+                          name=kwargs.get("name") or "gradients")
+        if kwargs.get("stop_gradients") is not None:
+            self.plain["stop_gradients"] = kwargs["stop_gradients"]
+        self.stop = TensorSet()
 
 
 def _select_checkpoints(choices, region):
@@ -361,7 +396,8 @@ class _Rewrite:
     def _earlier_segment(self, group):
         seg_ys, seg_grads = [], []
         for c in group:
-            d_c = aggregate.sum_dense(self.pending_of(c))
+            with self._colocated_with(c):
+                d_c = aggregate.sum_dense(self.pending_of(c))
             if d_c is not None and c not in self.options.stop:
                 seg_ys.append(c)
                 seg_grads.append(d_c)
@@ -377,6 +413,10 @@ class _Rewrite:
         with tf.name_scope(label):
             replacements = TensorMap((t, _local_input(t)) for t in local_inputs)
             copy = copy_with_input_replacements(ops, replacements, name_scope="recompute")
+            for op in ops:
+                # A copy runs where its original ran, and its gradient ops are colocated
+                # with the original, as tf.gradients colocates them.
+                _tf_private.colocate(copy.transformed(op), op)
             self._order_after(copy, trigger_ops)
             copied_ys = [copy.transformed(y) for y in seg_ys]
             stop = [copy.transformed(t) for t in self.options.stop if copy.transformed(t) is not None]
@@ -417,6 +457,13 @@ class _Rewrite:
                 _tf_private.add_control_inputs(op, trigger_ops)
 
     # -- bookkeeping ---------------------------------------------------------------
+    def _colocated_with(self, t):
+        """Where tf.gradients sums the gradient contributions of `t`: with t's op when
+        colocating gradients with ops, under the caller's device scope otherwise."""
+        if not self.options.colocate:
+            return contextlib.nullcontext()
+        return tf.compat.v1.get_default_graph().colocate_with(t.op, ignore_existing=True)
+
     def _add(self, t, gradient):
         contributions = self.pending.get(t)
         if contributions is None:
@@ -443,9 +490,12 @@ class _Rewrite:
         inner_xs = [t for t in self.pending.keys() if self.region.is_x(t)
                     and t.op in self.region.dependent_x_ops and t not in self.options.stop]
         if kept or inner_xs:
+            grad_ys = []
+            for t in kept + inner_xs:
+                with self._colocated_with(t):
+                    grad_ys.append(aggregate.sum_dense(self.pending_of(t)))
             through_kept = _tf_gradients(
-                kept + inner_xs, self.xs,
-                grad_ys=[aggregate.sum_dense(self.pending_of(t)) for t in kept + inner_xs],
+                kept + inner_xs, self.xs, grad_ys=grad_ys,
                 stop_gradients=list(self.options.stop) or None, **self.options.passed)
             inner = TensorSet(inner_xs)
             for x, contributions, g in zip(self.xs, per_x, through_kept):
@@ -453,7 +503,10 @@ class _Rewrite:
                     contributions[:] = []
                 if g is not None:
                     contributions.append(g)
-        result = [aggregate.sum_keeping_sparse(c) for c in per_x]
+        result = []
+        for x, contributions in zip(self.xs, per_x):
+            with self._colocated_with(x):
+                result.append(aggregate.sum_keeping_sparse(contributions))
         if self.options.unconnected == tf.UnconnectedGradients.ZERO:
             result = [g if g is not None else _tf_private.zero_gradient_like(x)
                       for g, x in zip(result, self.xs)]

@@ -76,16 +76,21 @@ def _fetchable(gradient):
 
 
 def as_dense(value):
-    """A fetched gradient (array, IndexedSlices value or its triple) as a float64 array."""
+    """A fetched gradient (array, IndexedSlices value or its triple) as a float64 (or
+    complex128) array."""
     if isinstance(value, dict):
         values, indices, shape = value["values"], value["indices"], value["dense_shape"]
     elif hasattr(value, "indices") and hasattr(value, "values"):
         values, indices, shape = value.values, value.indices, value.dense_shape
     else:
-        return np.asarray(value, dtype=np.float64)
-    dense = np.zeros(np.asarray(shape), np.float64)
-    np.add.at(dense, np.asarray(indices), np.asarray(values, np.float64))
+        return np.asarray(value, dtype=_dtype_of(value))
+    dense = np.zeros(np.asarray(shape), _dtype_of(values))
+    np.add.at(dense, np.asarray(indices), np.asarray(values, _dtype_of(values)))
     return dense
+
+
+def _dtype_of(value):
+    return np.complex128 if np.iscomplexobj(value) else np.float64
 
 
 def assert_same_gradients(expected, got, rtol=1e-5, label=""):

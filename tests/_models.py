@@ -125,7 +125,8 @@ def both_gradients(model, checkpoints):
 
 
 def _every_third_op_output(ys, xs):
-    from memsave.inputs import normalise_xs
+    from memsave.inputs import normalise_call
     from memsave.region import ForwardRegion
-    region = ForwardRegion.build(ys, normalise_xs(xs, ys[0].graph))
+    call = normalise_call(ys, xs)
+    region = ForwardRegion.build(call.ys, call.xs)
     return [op.outputs[0] for op in region.ops[::3] if op.outputs]

@@ -1,11 +1,15 @@
 """Bad input gets memsave.MemsaveError, with a message naming the problem and the fix,
-and leaves the user's graph exactly as it was (same op count); checkpoints equal
-to an x or a y, or off the path, are dropped with a MemsaveWarning; the same graph
-rewritten twice gives the same GraphDef.
+and leaves the user's graph exactly as it was (same op count). Where tf.gradients
+refuses the same input, memsave's error is also of the type tf.gradients raises
+(checked here against tf.gradients on the same call). Inputs tf.gradients accepts
+are answered, not refused: tests/test_parity.py. Checkpoints equal to an x or a y,
+or off the path, are dropped with a MemsaveWarning; the same graph rewritten twice
+gives the same GraphDef.
 
 The cases here are the ones listed in the README's Troubleshooting table.
 """
 
+import functools
 import re
 import warnings
 
@@ -35,8 +39,21 @@ def _model(inputs):
             "one_float64": tf.constant(1.0, tf.float64)}
 
 
-def assert_refused(kind, call, match):
-    """`call(tensors)` must raise MemsaveError matching `match`, adding no op.
+def _names(t):
+    """The model's tensor names, regex-escaped, for the message patterns (whatever names
+    TensorFlow gave them)."""
+    return {key: re.escape(value.name) for key, value in t.items()}
+
+
+def _builtin_type(error):
+    """The built-in exception class an error is an instance of (ValueError, TypeError, ...)."""
+    return next(cls for cls in type(error).__mro__ if cls.__module__ == "builtins")
+
+
+def assert_refused(kind, call, match, like_tf=False):
+    """`call(gradients, tensors)` must raise MemsaveError matching `match` with
+    memsave.gradients, adding no op; with `like_tf`, tf.gradients must refuse the
+    same call, and memsave's error must be of the same built-in type.
 
     Returns:
       The error message.
@@ -47,16 +64,23 @@ def assert_refused(kind, call, match):
         t = _model(inputs)
         before = len(graph.get_operations())
         with pytest.raises(memsave.MemsaveError) as info:
-            call(t)
+            call(functools.partial(memsave.gradients, checkpoints="memory"), t)
         after = len(graph.get_operations())
         assert after == before, f"{after - before} ops were added before the error"
-        messages.append(str(info.value))
+        messages.append((str(info.value), _names(t)))
+        if like_tf:
+            with pytest.raises(Exception) as tf_info:
+                call(tf.compat.v1.gradients, t)
+            assert isinstance(info.value, _builtin_type(tf_info.value)), (
+                f"tf.gradients raises {type(tf_info.value).__name__}, memsave "
+                f"{type(info.value).__mro__}")
         return {"y": t["y"]}
 
     evaluate(kind, body, {"x": X})
-    message = messages[0]
+    message, names = messages[0]
     assert message.startswith("memsave: "), message
-    assert re.search(match, message), f"{match!r} not in {message!r}"
+    pattern = match.format(**names)
+    assert re.search(pattern, message), f"{pattern!r} not in {message!r}"
     return message
 
 
@@ -65,14 +89,65 @@ def _other_graph_tensor():
         return tf.constant(1.0, name="elsewhere")
 
 
-# Each case: (id, call, pattern the message must match: the bad value and the fix).
-CASES = [
+OTHER = r"elsewhere\w*:0"  # the tensor of another graph, whatever its suffix
+
+# Calls tf.gradients refuses too: (id, call(gradients, t), pattern of the message). The
+# pattern names the bad value and the fix; {y} etc. stand for the model's tensor names.
+REFUSED_BY_TF_TOO = [
+    ("xs_none",
+     lambda g, t: g(t["y"], None),
+     r"xs\[0\] is None; pass a tensor or variable"),
+    ("ys_none",
+     lambda g, t: g([t["y"], None], t["x"]),
+     r"ys\[1\] is None"),
+    ("xs_as_op",
+     lambda g, t: g(t["y"], [t["x"].op]),
+     r"xs\[0\] is the operation \w+, not a tensor; pass one of its outputs"),
+    ("xs_as_dict",
+     lambda g, t: g(t["y"], {"a": t["x"]}),
+     r"xs is a dict; pass a tensor or a list/tuple"),
+    ("xs_as_set",
+     lambda g, t: g(t["y"], {t["x"].name}),
+     r"xs is a set; pass a tensor or a list/tuple"),
+    ("unexpected_kwarg",
+     lambda g, t: g(t["y"], t["x"], colocate=True),
+     r"unexpected keyword argument\(s\) \['colocate'\]; memsave.gradients accepts tf.gradients' "
+     r"own"),
+    ("grad_ys_count",
+     lambda g, t: g(t["y"], t["x"], grad_ys=[None, None]),
+     r"got 2 grad_ys for 1 ys; pass one per y"),
+    ("grad_ys_shape",
+     lambda g, t: g(t["y"], t["x"], grad_ys=[np.ones([2], np.float32)]),
+     r"grad_ys\[0\] has shape \(2,\) but ys\[0\] \({y}\) has shape \(\); pass a gradient of "
+     r"the y's shape"),
+    ("grad_ys_dtype",
+     lambda g, t: g(t["y"], t["x"], grad_ys=[t["one_float64"]]),
+     r"grad_ys\[0\] has dtype float64 but ys\[0\] \({y}\) is float32; cast it"),
+    ("grad_ys_numpy_dtype",
+     lambda g, t: g(t["y"], t["x"], grad_ys=[np.float64(1.0)]),
+     r"grad_ys\[0\] has dtype float64 but ys\[0\] \({y}\) is float32; cast it"),
+    ("grad_ys_python_int",
+     lambda g, t: g(t["y"], t["x"], grad_ys=2),
+     r"grad_ys\[0\] has dtype int32 but ys\[0\] \({y}\) is float32"),
+    ("grad_ys_string",
+     lambda g, t: g(t["y"], t["x"], grad_ys=["one"]),
+     r"grad_ys\[0\] is a str of string, not a number"),
+    ("stop_gradients_not_tensors",
+     lambda g, t: g(t["y"], t["x"], stop_gradients=[1.0]),
+     r"stop_gradients\[0\] is a float, not a graph tensor"),
+    ("unconnected_gradients_unknown",
+     lambda g, t: g(t["y"], t["x"], unconnected_gradients="zeros"),
+     r"unconnected_gradients is 'zeros'; expected 'none' or 'zero'"),
+]
+
+# memsave's own arguments: (id, call(t), pattern).
+REFUSED_BY_MEMSAVE = [
     ("unknown_strategy",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints="fastest"),
      r"unknown checkpoints strategy 'fastest'.*'collection', 'memory', 'speed'"),
     ("checkpoint_from_another_graph",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints=[t["h"], _other_graph_tensor()]),
-     r"checkpoints\[1\] \(elsewhere:0\) belongs to another graph; pass tensors of the graph"),
+     r"checkpoints\[1\] \(" + OTHER + r"\) belongs to another graph; pass tensors of the graph"),
     ("checkpoint_name_that_does_not_exist",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints=["no_such_op:0"]),
      r"checkpoints\[0\] names 'no_such_op:0', which is not a tensor of this graph; pass tensor "
@@ -80,36 +155,6 @@ CASES = [
     ("checkpoint_name_malformed",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints=["h:first"]),
      r"checkpoints\[0\] names 'h:first'"),
-    ("ys_independent_of_xs",
-     lambda t: memsave.gradients(t["loss_of_unrelated"], t["x"], checkpoints="memory"),
-     r"none of the ys depends on any of the xs; check that the loss is computed from"),
-    ("integer_ys",
-     lambda t: memsave.gradients(t["count"], t["x"]),
-     r"ys\[0\] \(count:0\) has dtype int32; gradients need floating-point ys: cast it"),
-    ("empty_xs",
-     lambda t: memsave.gradients(t["y"], []),
-     r"xs is empty; pass the tensors or variables"),
-    ("empty_ys",
-     lambda t: memsave.gradients([], t["x"]),
-     r"ys is empty; pass the tensor"),
-    ("xs_as_tensor_names",
-     lambda t: memsave.gradients(t["y"], [t["x"].name]),
-     r"xs\[0\] is a str, not a graph tensor; pass tf.Tensor objects"),
-    ("xs_as_numpy",
-     lambda t: memsave.gradients(t["y"], [t["x"], np.ones(3)]),
-     r"xs\[1\] is a ndarray, not a graph tensor"),
-    ("xs_none",
-     lambda t: memsave.gradients(t["y"], None),
-     r"xs\[0\] is a NoneType, not a graph tensor"),
-    ("xs_as_op",
-     lambda t: memsave.gradients(t["y"], [t["x"].op]),
-     r"xs\[0\] is a Operation, not a graph tensor"),
-    ("xs_as_set",
-     lambda t: memsave.gradients(t["y"], {"a": t["x"]}),
-     r"xs is a dict; pass a tensor or a list/tuple"),
-    ("xs_from_another_graph",
-     lambda t: memsave.gradients(t["y"], [_other_graph_tensor()]),
-     r"xs\[0\] \(elsewhere:0\) belongs to another graph than ys"),
     ("checkpoints_list_of_numbers",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints=[1, 2]),
      r"checkpoints\[0\] is a int; a checkpoint list holds graph tensors or tensor names"),
@@ -132,41 +177,24 @@ CASES = [
     ("strategy_callable_returning_none",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints=lambda region: None),
      r"the checkpoint strategy returned a NoneType"),
-    ("unexpected_kwarg",
-     lambda t: memsave.gradients(t["y"], t["x"], checkpoints="memory", colocate=True),
-     r"unexpected keyword argument\(s\) \['colocate'\]; memsave.gradients accepts tf.gradients' own"),
-    ("grad_ys_count",
-     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=[None, None]),
-     r"got 2 grad_ys for 1 ys; pass one per y"),
-    ("grad_ys_shape",
-     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=[np.ones([2], np.float32)],
-                                 checkpoints=[t["h"]]),
-     r"grad_ys\[0\] has shape \(2,\) but ys\[0\] \(y:0\) has shape \(\); pass a gradient of the "
-     r"y's shape"),
-    ("grad_ys_dtype",
-     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=[t["one_float64"]],
-                                 checkpoints=[t["h"]]),
-     r"grad_ys\[0\] has dtype float64 but ys\[0\] \(y:0\) is float32; cast it"),
-    ("grad_ys_numpy_dtype",
-     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=[np.float64(1.0)], checkpoints=[t["h"]]),
-     r"grad_ys\[0\] has dtype float64 but ys\[0\] \(y:0\) is float32; cast it"),
-    ("grad_ys_string",
-     lambda t: memsave.gradients(t["y"], t["x"], grad_ys=["one"], checkpoints=[t["h"]]),
-     r"grad_ys\[0\] is a str, not a tensor"),
-    ("stop_gradients_not_tensors",
-     lambda t: memsave.gradients(t["y"], t["x"], stop_gradients=[1.0], checkpoints=[t["h"]]),
-     r"stop_gradients\[0\] is a float, not a graph tensor"),
-    ("unconnected_gradients_unknown",
-     lambda t: memsave.gradients(t["y"], t["x"], unconnected_gradients="zeros",
-                                 checkpoints=[t["h"]]),
-     r"unconnected_gradients is 'zeros'; expected 'none' or 'zero'"),
+    ("unknown_strategy_on_a_call_left_to_tf_gradients",
+     lambda t: memsave.gradients(t["count"], t["x"], checkpoints="fastest"),
+     r"unknown checkpoints strategy 'fastest'"),
 ]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("call,match", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_refused_and_the_graph_is_unchanged(kind, call, match):
-    assert_refused(kind, call, match)
+@pytest.mark.parametrize("call,match", [c[1:] for c in REFUSED_BY_TF_TOO],
+                         ids=[c[0] for c in REFUSED_BY_TF_TOO])
+def test_what_tf_gradients_refuses_is_refused_with_its_exception_type(kind, call, match):
+    assert_refused(kind, call, match, like_tf=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("call,match", [c[1:] for c in REFUSED_BY_MEMSAVE],
+                         ids=[c[0] for c in REFUSED_BY_MEMSAVE])
+def test_bad_memsave_arguments_are_refused_and_the_graph_is_unchanged(kind, call, match):
+    assert_refused(kind, lambda gradients, t: call(t), match)
 
 
 def test_eager_tensors_outside_any_graph():
@@ -174,22 +202,31 @@ def test_eager_tensors_outside_any_graph():
     y = tf.reduce_sum(tf.tanh(x))
     with pytest.raises(memsave.MemsaveError, match=r"called eagerly, outside any graph; memsave "
                        r"rewrites graphs, so it needs graph tensors: build the step inside "
-                       r"tf.function"):
+                       r"tf.function") as info:
         memsave.gradients(y, x)
+    with pytest.raises(RuntimeError):  # what tf.gradients raises
+        tf.gradients(y, x)
+    assert isinstance(info.value, RuntimeError)
 
 
-def test_eager_tensors_inside_a_tf_function():
+def test_an_eager_checkpoint_inside_a_tf_function():
     eager = tf.constant(X)
-    assert_refused("function", lambda t: memsave.gradients(t["y"], [eager]),
-                   r"xs\[0\] is an eager tensor; memsave rewrites graphs")
-    assert_refused("function", lambda t: memsave.gradients(t["y"], t["x"], checkpoints=[eager]),
+    assert_refused("function", lambda g, t: memsave.gradients(t["y"], t["x"], checkpoints=[eager]),
                    r"checkpoints\[0\] is a EagerTensor; a checkpoint list holds graph tensors")
 
 
 def test_ys_from_two_graphs():
-    def call(t):
-        memsave.gradients([t["y"], _other_graph_tensor()], t["x"])
-    assert_refused("v1", call, r"ys\[1\] \(elsewhere:0\) belongs to another graph than ys\[0\]")
+    def call(gradients, t):
+        gradients([t["y"], _other_graph_tensor()], t["x"])
+    assert_refused("v1", call, r"ys\[1\] \(" + OTHER + r"\) belongs to another graph than "
+                   r"ys\[0\] \({y}\)", like_tf=True)
+
+
+def test_xs_from_another_graph():
+    # (Inside a tf.function tf.gradients does not check: tests/test_parity.py.)
+    assert_refused("v1", lambda g, t: g(t["y"], [_other_graph_tensor()]),
+                   r"xs\[0\] \(" + OTHER + r"\) belongs to another graph than ys\[0\] \({y}\)",
+                   like_tf=True)
 
 
 def test_memsave_error_is_a_value_error():

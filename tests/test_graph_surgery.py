@@ -57,7 +57,8 @@ def test_graft_pre_and_postprocessing(run_graph):
 
         # Splice pre in front of x: every model op that read x reads pre now.
         assert ge.reroute_ts(pre, x, can_modify=model_ops) == 1
-        assert [op.name for op in x.consumers()] == ["reference/model/MatMul"]
+        matmul = next(op for op in model_ops if op.type == "MatMul")
+        assert [op.name for op in x.consumers()] == ["reference/" + matmul.name]
         # Splice post after logits: its readers, except post itself, read post.
         assert ge.reroute_ts(post, logits, cannot_modify=post_ops) == 1
         assert OpMatcher("out").input_ops(post)(out.op)

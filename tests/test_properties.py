@@ -162,17 +162,7 @@ def check_dag(kind, spec):
     strategies = [("memory", "memory"), ("speed", "speed"), ("collection", "collection")]
     strategies += [(f"list{i}", None) for i in range(len(spec["subsets"]))]
     sparse = {}
-    if not _depends_on_xs(spec):
-        def refuse(graph, inputs):
-            case = build_dag(spec, inputs)
-            before = len(graph.get_operations())
-            with pytest.raises(memsave.MemsaveError, match="none of the ys depends"):
-                memsave.gradients(case.ys, case.xs, checkpoints="memory")
-            assert len(graph.get_operations()) == before
-            return {"y": case.ys[0]}
-        evaluate(kind, refuse, feeds)
-        return
-
+    # (Where no y depends on an x, memsave answers as tf.gradients does: all None.)
     def body(graph, inputs):
         case = build_dag(spec, inputs)
         chosen = [(label, value if value is not None else case.lists[int(label[4:])])

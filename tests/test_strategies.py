@@ -155,14 +155,15 @@ def test_collection_strategy_works_inside_tf_function():
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6)
 
 
-def test_empty_collection_falls_back_with_a_warning():
+def test_empty_collection_falls_back_quietly_and_the_report_says_how_to_mark():
     graph = tf.Graph()
     with graph.as_default():
         x = _input([3])
         loss = tf.reduce_sum(tf.tanh(tf.tanh(x)))
-        with pytest.warns(memsave.MemsaveWarning, match="mark_checkpoint"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", memsave.MemsaveWarning)
             memsave.gradients(loss, [x], checkpoints="collection")
-        assert memsave.last_report().fallback
+        assert "mark_checkpoint" in memsave.last_report().fallback
 
 
 def test_registry_and_combinators():

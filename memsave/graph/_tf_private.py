@@ -6,6 +6,7 @@ no longer exposes publicly. Keeping them in one module means a TensorFlow upgrad
 that changes them breaks one file, and the rest of memsave reads as public API.
 """
 
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import default_gradient
 
@@ -21,6 +22,13 @@ def add_control_inputs(op, control_ops):
     new = [c for c in control_ops if c not in existing and c is not op]
     if new:
         op._add_control_inputs(new)
+
+
+def colocate(op, with_op):
+    """Puts `op` in `with_op`'s colocation groups: the `_class` attribute the placer reads,
+    and that gradient ops built under `colocate_with(op)` inherit."""
+    groups = attr_value_pb2.AttrValue.ListValue(s=with_op.colocation_groups())
+    op._set_attr("_class", attr_value_pb2.AttrValue(list=groups))
 
 
 def control_outputs(op):

@@ -14,16 +14,12 @@ Two things, neither of which patches anything globally:
 Both need a graph: a `tf.compat.v1` graph, or the body of a `tf.function`.
 """
 
-import logging
-
 import tensorflow as tf
 from tensorflow.python.training import optimizer as _tf_optimizer_module
 
 from memsave import rewrite as _rewrite
 from memsave.errors import MemsaveError
 from memsave.strategies import STRATEGIES
-
-_log = logging.getLogger(__name__)
 
 _UNCONNECTED_NONE = tf.UnconnectedGradients.NONE
 
@@ -96,21 +92,14 @@ def gradient_function(checkpoints="collection"):
         Raises:
           MemsaveError: outside a graph, or for a graph memsave cannot rewrite.
         """
-        kwargs = {}
-        if name != "gradients":
+        # Every argument is passed on, defaults included: tf.compat.v1.gradients does
+        # not colocate gradients with their ops unless asked, memsave.gradients (like
+        # tf.gradients) does.
+        kwargs = dict(colocate_gradients_with_ops=colocate_gradients_with_ops,
+                      gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+                      stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients)
+        if name != "gradients":  # (the default: memsave's ops then go under "memsave")
             kwargs["name"] = name
-        if gate_gradients:
-            kwargs["gate_gradients"] = gate_gradients
-        if aggregation_method is not None:
-            kwargs["aggregation_method"] = aggregation_method
-        if stop_gradients is not None:
-            kwargs["stop_gradients"] = stop_gradients
-        if unconnected_gradients != _UNCONNECTED_NONE:
-            kwargs["unconnected_gradients"] = unconnected_gradients
-        if colocate_gradients_with_ops:
-            # memsave's segments always colocate gradients with their ops (as
-            # tf.gradients in TF2 does), so True is what happens anyway.
-            _log.debug("colocate_gradients_with_ops=True: memsave always colocates")
         return _rewrite.gradients(ys, xs, grad_ys, checkpoints=checkpoints, **kwargs)
 
     memsave_gradients.checkpoints = checkpoints
@@ -182,8 +171,8 @@ class MemsaveOptimizer(tf.compat.v1.train.Optimizer):
             callable read for a callable loss).
           gate_gradients: GATE_NONE, GATE_OP or GATE_GRAPH.
           aggregation_method: as for tf.gradients.
-          colocate_gradients_with_ops: accepted for compatibility; memsave
-            always colocates.
+          colocate_gradients_with_ops: as for tf.compat.v1.gradients (where
+            the gradient ops are placed).
           grad_loss: optional gradient for `loss`.
         Returns:
           A list of (gradient or None, variable) pairs.

@@ -12,7 +12,11 @@ While a patch is active these names compute their gradients with memsave:
 - `tf.compat.v1.gradients`;
 - the `gradients` function that `tf.compat.v1.train.Optimizer.compute_gradients`
   (and so `minimize`) looks up at call time: the module attribute
-  `tensorflow.python.ops.gradients.gradients`.
+  `tensorflow.python.ops.gradients.gradients`;
+- the `gradients` function that `tf.hessians` and `tf.compat.v1.hessians` call:
+  `tensorflow.python.ops.gradients_impl.gradients` (the second-order calls those
+  make inside a while loop take tensors of the enclosing graph, which memsave
+  leaves to plain tf.gradients: see memsave.inputs).
 
 On exit, also when the body raises, every one of them is put back exactly as it
 was (the same object, or no attribute if there was none). Patches nest: the
@@ -40,7 +44,8 @@ _log = logging.getLogger(__name__)
 # Where the gradient functions are looked up: (dotted path from the `tensorflow`
 # module or an importable module name, attribute). Resolved when a patch starts.
 _API_SITES = ("", "compat.v2", "compat.v1")      # tf.gradients, tf.compat.v{2,1}.gradients
-_MODULE_SITES = ("tensorflow.python.ops.gradients",)  # what v1 optimizers call
+# What v1 optimizers call, and what tf.hessians calls.
+_MODULE_SITES = ("tensorflow.python.ops.gradients", "tensorflow.python.ops.gradients_impl")
 _ATTRIBUTE = "gradients"
 
 _lock = threading.RLock()
