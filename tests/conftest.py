@@ -17,6 +17,12 @@ import tensorflow as tf  # noqa: E402
 
 GRAPH_KINDS = ("v1", "function")
 
+# TensorFlow 1 behaviour for the whole process (v1 control flow, ref variables, no eager):
+# set by tests/test_parity.py for a child pytest run.
+V1_BEHAVIOUR_ENV = "MEMSAVE_TEST_V1_BEHAVIOUR"
+if os.environ.get(V1_BEHAVIOUR_ENV) == "1":
+    tf.compat.v1.disable_v2_behavior()
+
 
 def _run_v1(build, feeds):
     graph = tf.Graph()

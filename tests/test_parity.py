@@ -12,7 +12,10 @@ tests/test_bad_inputs.py.
 """
 
 import functools
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -214,6 +217,90 @@ def test_a_variable_captured_by_an_inner_function(kind):
     assert_like_tf(kind, make, call)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_captured_through_two_levels_of_functions(kind):
+    def make(inputs):
+        x = inputs["x"]
+        return {"x": x, "x3": tf.tanh(x) * 2.0}
+
+    def call(model, gradients):
+        @tf.function(autograph=False)
+        def outer():
+            middle = tf.sin(model["x"])
+
+            @tf.function(autograph=False)
+            def inner():
+                ys = [tf.identity(middle), tf.identity(model["x3"]) * 3.0, model["x"]]
+                return gradients(ys, [model["x"], model["x3"]])
+            return inner()
+        return outer()
+    assert_like_tf(kind, make, call)
+
+
+# -- graphs of the kinds tf.gradients' own tests use -------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ys_that_depend_on_each_other(kind):
+    def make(inputs):
+        y = tf.square(inputs["x"])
+        y2 = tf.square(tf.square(y))
+        return {"x": inputs["x"], "y": y, "y2": y2}
+    assert_like_tf(kind, make, lambda m, g: g([m["y"], m["y2"]], m["x"]))
+    assert_like_tf(kind, make, lambda m, g: g([tf.identity(m["y"]), tf.identity(m["y2"])],
+                                              m["x"]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_custom_gradient_on_the_path(kind):
+    @tf.custom_gradient
+    def scaled_identity(x):
+        return tf.identity(x), lambda dy: 3.0 * dy
+
+    def make(inputs):
+        h = scaled_identity(tf.tanh(inputs["x"]))
+        return {"x": inputs["x"], "y": tf.reduce_sum(tf.sin(scaled_identity(h)) * h)}
+    assert_like_tf(kind, make, lambda m, g: g(m["y"], m["x"]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cond_reading_a_variable(kind):
+    store = variable_store()
+
+    def make(inputs):
+        gamma = store("gamma", lambda: tf.Variable(np.linspace(0.5, 1.5, 3).astype(np.float32)))
+        flag = tf.reduce_sum(inputs["x"]) > -100.0
+        out = tf.cond(flag, lambda: tf.tanh(inputs["x"] + gamma), lambda: inputs["x"])
+        return {"x": inputs["x"], "gamma": gamma, "y": tf.reduce_sum(tf.sin(out) * out)}
+    assert_like_tf(kind, make, lambda m, g: g(m["y"], [m["gamma"], m["x"]]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_read_value_of_a_variable(kind):
+    store = variable_store()
+
+    def make(inputs):
+        return {"v": store("v", lambda: tf.Variable(100.0))}
+    assert_like_tf(kind, make, lambda m, g: g(m["v"].read_value(), m["v"]))
+    assert_like_tf(kind, make, lambda m, g: g(tf.constant(0.0), m["v"],
+                                              unconnected_gradients="zero"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_gradients_equal_stop_gradient_ops(kind):
+    rng = np.random.RandomState(3)
+    mats = [rng.rand(3, 3).astype(np.float32) for _ in range(8)]
+
+    def make(inputs):
+        a = tf.tanh(inputs["x"][:3] @ mats[0])
+        b = tf.tanh(mats[1] @ a)
+        c = tf.tanh(mats[2] @ a + mats[3] @ b)
+        d = tf.reduce_sum(tf.sin(mats[4] @ b + mats[5] @ c))
+        return {"a": a, "b": b, "c": c, "d": d}
+    for stops in (["a"], ["b"], ["a", "c"], ["b", "c"], ["a", "b", "c"]):
+        assert_like_tf(kind, make, lambda m, g: g(m["d"], [m["a"], m["b"], m["c"]],
+                                                  stop_gradients=[m[k] for k in stops]))
+
+
 # -- the examples of tf.gradients' documentation ----------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -343,9 +430,10 @@ def test_gradient_function_keeps_colocate_gradients_with_ops_false():
 # -- patch: tf.hessians, and no warnings on fallbacks -------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_hessians_go_through_memsave_under_patch(kind):
+@pytest.mark.parametrize("rank", [1, 2])
+def test_hessians_go_through_memsave_under_patch(kind, rank):
     def body(graph, inputs):
-        x = inputs["x"]
+        x = inputs["x"] if rank == 2 else inputs["x"][0]
         y = tf.reduce_sum(tf.sin(tf.tanh(x * 1.5)) * x)
         expected = tf.hessians(y, x)
         memsave.report._latest.report = None
@@ -387,3 +475,21 @@ def test_the_plan_of_a_call_left_to_tf_gradients_says_why():
         assert re.search(r"has dtype int32", report.fallback)
         report = memsave.plan(m["unrelated"], m["x"], checkpoints="memory")
         assert "none of the ys depends on any of the xs" in report.fallback
+
+
+# -- TensorFlow 1 behaviour ---------------------------------------------------------------------
+
+@pytest.mark.skipif(os.environ.get("MEMSAVE_TEST_V1_BEHAVIOUR") == "1", reason="the child run")
+def test_parity_under_disable_v2_behavior():
+    """The tf.compat.v1-graph cases of this module and of test_bad_inputs.py again, in a
+    process where tf.compat.v1.disable_v2_behavior() is in force (v1 while loops and
+    conds, ref variables, no eager execution)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, MEMSAVE_TEST_V1_BEHAVIOUR="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         os.path.join(here, "test_parity.py"), os.path.join(here, "test_bad_inputs.py"),
+         "-k", "not function and not eager and not disable_v2_behavior"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert re.search(r"\b[1-9]\d+ passed", proc.stdout), proc.stdout[-1000:]
