@@ -170,8 +170,11 @@ def _gradient_arrays(grads):
 
 def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps=5, warmup=2,
                    seed=0, grads_path=None, memory_limit_mb=None, model_options=None,
-                   paired=True, grappler=True):
+                   paired=True, grappler=True, jit=False):
     """One configuration, measured in the current (fresh) process; returns a JSON-able dict.
+
+    jit=True compiles the step (and the paired tf.gradients step) with XLA and records
+    how many dot and convolution ops its optimized HLO holds (`hlo_ops`).
 
     Order: build and trace the step, run it once (its gradients are saved to
     `grads_path`), `warmup` more times, then MEMORY_STEPS steps while the allocator
@@ -194,7 +197,7 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
     result = {"model": model, "strategy": strategy, "device": measure.device_description()}
     try:
         result.update(_measure(model, depth, batch, strategy, steps, warmup, seed, grads_path,
-                               model_options or {}, paired))
+                               model_options or {}, paired, jit))
         result["status"] = "ok"
     except tf.errors.ResourceExhaustedError as error:
         result.update(status="OOM", message=_oom_line(error.message))
@@ -215,7 +218,7 @@ def _first_line(text):
 
 
 def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path, model_options,
-             paired):
+             paired, jit=False):
     import numpy as np
     import tensorflow as tf
 
@@ -230,7 +233,7 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
            "weights_checksum": float(sum(np.abs(v.numpy()).sum(dtype=np.float64)
                                          for v in model.variables))}
     grad_fn, timings = _strategy_gradient_fn(strategy, model)
-    step = model.make_step(grad_fn)
+    step = model.make_step(grad_fn, jit_compile=jit)
     inputs = [tf.constant(array) for array in model.inputs]
 
     start = time.perf_counter()
@@ -246,6 +249,8 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
     loss, grads = step(*inputs)
     measure.sync_devices()
     out["first_call_s"] = time.perf_counter() - start
+    if jit:
+        out["hlo_ops"] = measure.hlo_op_counts(step, *inputs)
     out["loss"] = float(loss)
     arrays, out["grad_kinds"] = _gradient_arrays(grads)
     if grads_path:
@@ -269,7 +274,7 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
         out["step_s"] = measure.time_calls(run_step, repeats=steps, warmup=0)
         return out
     # Time side by side with tf.gradients on the same weights and data, alternating.
-    base_step = model.make_step(lambda ys, xs: tf.gradients(ys, xs))
+    base_step = model.make_step(lambda ys, xs: tf.gradients(ys, xs), jit_compile=jit)
 
     def run_base():
         base_step(*inputs)
@@ -297,7 +302,7 @@ def _child_env(memory_limit_mb):
 
 
 def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb, grads_path,
-            model_options=None, timeout=900, paired=True, grappler=True):
+            model_options=None, timeout=900, paired=True, grappler=True, jit=False):
     """Runs measure_config in its own process; a crash or kill becomes a result row too."""
     started = time.perf_counter()
     try:
@@ -305,7 +310,7 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
             CHILD_TARGET, timeout=timeout, env=_child_env(memory_limit_mb), model=model,
             depth=depth, batch=batch, strategy=strategy, steps=steps, warmup=warmup, seed=seed,
             grads_path=grads_path, memory_limit_mb=memory_limit_mb, model_options=model_options,
-            paired=paired, grappler=grappler)
+            paired=paired, grappler=grappler, jit=jit)
     except measure.IsolatedRunError as error:
         if measure.is_oom_failure(error):
             status = "OOM"
@@ -364,12 +369,13 @@ def default_strategies(model):
 
 def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmup=2, seed=0,
             memory_limit_mb=None, model_options=None, timeout=900, baseline=True, paired=True,
-            grappler=True):
+            grappler=True, jit=False):
     """Measures every strategy (tf.gradients first) in its own process; returns table rows.
 
     baseline=False leaves tf.gradients out (no peak ratios or errors then).
     paired=True times each memsave strategy side by side with tf.gradients in its
-    process (see measure_config); the time ratio is then the paired one.
+    process (see measure_config); the time ratio is then the paired one. jit=True
+    compiles every step with XLA (tf.function(jit_compile=True)).
     """
     strategies = [s for s in (strategies or default_strategies(model)) if s != BASELINE]
     if baseline:
@@ -379,7 +385,7 @@ def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmu
         paths = {s: os.path.join(scratch, f"grads_{i}.npz") for i, s in enumerate(strategies)}
         for done, strategy in enumerate(strategies, 1):
             result = run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
-                             paths[strategy], model_options, timeout, paired, grappler)
+                             paths[strategy], model_options, timeout, paired, grappler, jit)
             _log_progress(done, len(strategies), model, depth, result)
             results[strategy] = result
         rows = _rows(results, strategies, paths)
@@ -434,6 +440,10 @@ def _rows(results, strategies, paths):
                 elif result.get("grad_kinds") != base.get("grad_kinds"):
                     row["message"] = (f"gradient kinds differ from tf.gradients's "
                                       f"({_kind_counts(result)} vs {_kind_counts(base)})")
+        if result.get("hlo_ops"):
+            row["hlo_ops"] = result["hlo_ops"]
+            counts = ", ".join(f"{n} {kind}" for kind, n in sorted(result["hlo_ops"].items()))
+            row["message"] = "; ".join(filter(None, [row["message"], f"optimized HLO: {counts}"]))
         rows.append(row)
     return rows
 
@@ -682,6 +692,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=None, help="batch size; default per model")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    parser.add_argument("--jit", action="store_true",
+                        help="compile every step with XLA (tf.function(jit_compile=True)); the "
+                             "notes give the dot/convolution ops of each optimized HLO")
     parser.add_argument("--disable-grappler", action="store_true",
                         help="turn TensorFlow's graph optimizer off in every process: a check "
                              "that gradient differences are float rounding from differently "
@@ -783,7 +796,7 @@ def main(argv=None):
 
     rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
                    args.seed, args.memory_limit_mb, model_options, args.timeout,
-                   paired=not args.no_paired, grappler=not args.disable_grappler)
+                   paired=not args.no_paired, grappler=not args.disable_grappler, jit=args.jit)
     title = _title(rows, command)
     print(title)
     print(format_table(rows))

@@ -5,7 +5,8 @@
 
 Each configuration runs in its own process (`memsave.measure.run_isolated`, BFC
 allocator on): build a deep tanh MLP (functional Keras model, seeded), compile
-with SGD (jit_compile=False in both, so both run the same executor), fit one
+with SGD (jit_compile=False in both, so both run the same executor; --jit: True in
+both, so both are compiled by XLA), fit one
 epoch of one batch to trace and warm up, then fit one more one-batch epoch while
 the allocator records its peak. The losses of both epochs are returned, so the
 parent can check that memsave trains exactly like Keras.
@@ -71,12 +72,13 @@ def synthetic_batch(batch, width, classes, seed=1):
 
 
 def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["width"],
-                     batch=DEFAULTS["batch"], classes=DEFAULTS["classes"]):
+                     batch=DEFAULTS["batch"], classes=DEFAULTS["classes"], jit_compile=False):
     """In a fresh process: peak bytes of one `fit` step (one batch, one epoch).
 
     Args:
       checkpoints: None for plain Keras, else the memsave strategy name.
       depth, width, batch, classes: model and batch size.
+      jit_compile: compile's jit_compile (True: the step is compiled by XLA).
     Returns:
       {"peak": bytes, "losses": [first epoch's loss, measured epoch's loss]}.
     """
@@ -87,7 +89,7 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
     model = build_model(depth, width, classes, checkpoints)
     model.compile(optimizer=keras.optimizers.SGD(0.05),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False)
+                  jit_compile=jit_compile)
     x, y = synthetic_batch(batch, width, classes)
     first = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     peak, history = peak_memory_bytes(
@@ -104,7 +106,7 @@ def compare(strategies=("memory",), timeout=600, jobs=1, **sizes):
       timeout: seconds per process.
       jobs: processes run at once (peaks are per process, so running them side by
         side does not mix them; only wall time changes).
-      **sizes: depth, width, batch, classes.
+      **sizes: depth, width, batch, classes, jit_compile.
     Returns:
       A list of rows {"config", "peak", "ratio", "losses"}; plain Keras first.
     """
@@ -146,11 +148,13 @@ def main(argv=None):
     parser.add_argument("--checkpoints", nargs="+", default=["memory"],
                         choices=["memory", "speed", "collection"])
     parser.add_argument("--jobs", type=int, default=1, help="processes run at once")
+    parser.add_argument("--jit", action="store_true", help="compile with jit_compile=True (XLA)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     rows = compare(tuple(args.checkpoints), jobs=args.jobs, depth=args.depth, width=args.width,
-                   batch=args.batch)
-    print(f"Keras fit step, {args.depth} x Dense({args.width}, tanh), batch {args.batch}")
+                   batch=args.batch, jit_compile=args.jit)
+    print(f"Keras fit step, {args.depth} x Dense({args.width}, tanh), batch {args.batch}"
+          + (", jit_compile=True (XLA)" if args.jit else ""))
     print(format_rows(rows))
     return 0
 

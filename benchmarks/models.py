@@ -69,10 +69,11 @@ class BenchModel:
         self.block_outputs = []
         return self._forward(self, *inputs)
 
-    def make_step(self, grad_fn):
+    def make_step(self, grad_fn, jit_compile=False):
         """A `tf.function` step(features, labels) -> (loss, gradients).
 
-        `grad_fn(ys, xs)` is called once per trace with the loss and the variables.
+        `grad_fn(ys, xs)` is called once per trace with the loss and the variables;
+        jit_compile=True compiles the step with XLA.
         """
         variables = self.variables
 
@@ -81,7 +82,7 @@ class BenchModel:
             grads = grad_fn(loss, variables)
             return loss, list(grads)
 
-        return tf.function(step, autograph=False)
+        return tf.function(step, autograph=False, jit_compile=jit_compile)
 
     def num_parameters(self):
         return int(sum(np.prod(v.shape) for v in self.variables))

@@ -179,6 +179,21 @@ def peak_memory_bytes(fn, device=None):
     return tf.config.experimental.get_memory_info(device)["peak"], result
 
 
+def hlo_op_counts(function, *args, kinds=("dot", "convolution")):
+    """How many ops of each kind the optimized HLO of a jit-compiled tf.function holds.
+
+    Args:
+      function: a tf.function(jit_compile=True).
+      *args: the arguments to specialise it on.
+      kinds: HLO opcodes to count.
+    Returns:
+      {kind: count}.
+    """
+    import re
+    hlo = function.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
+    return {kind: len(re.findall(rf"\s{kind}\(", hlo)) for kind in kinds}
+
+
 def time_calls(fn, repeats=5, warmup=1):
     """Median wall time of `fn()` in seconds, after `warmup` untimed calls."""
     times = sorted(time_each_call(fn, repeats, warmup))

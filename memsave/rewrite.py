@@ -373,6 +373,8 @@ class _Rewrite:
         # buffer; run the two of one convolution one after the other (as the memory
         # model assumes for the rewrite), not side by side.
         self.serialize_conv_gradients = planner.model_of(region).graph.conv_threads > 0
+        # Built for XLA (tf.function(jit_compile=True), Keras jit_compile): see _xla_gate.
+        self.under_xla = _tf_private.in_xla_context(ys[0].graph)
 
     def run(self):
         self._last_segment()
@@ -391,7 +393,8 @@ class _Rewrite:
             seg_ys, seg_grads = zip(*inside)
             seg_grads = None if all(g is None for g in seg_grads) else [
                 g if g is not None else tf.ones_like(y) for y, g in inside]
-            self._segment(list(seg_ys), seg_grads, [y.op for y in self.ys], "last_segment")
+            self._segment(list(seg_ys), seg_grads, [y.op for y in self.ys], seg_ys[0],
+                          "last_segment")
 
     def _earlier_segment(self, group):
         seg_ys, seg_grads = [], []
@@ -402,16 +405,22 @@ class _Rewrite:
                 seg_ys.append(c)
                 seg_grads.append(d_c)
         if seg_ys:
-            self._segment(seg_ys, seg_grads, [g.op for g in seg_grads],
+            self._segment(seg_ys, seg_grads, [g.op for g in seg_grads], seg_grads[0],
                           f"segment_{self.region.position[group[0].op]}")
 
-    def _segment(self, seg_ys, seg_grad_ys, trigger_ops, label):
-        """Copies the ops between `seg_ys` and the checkpoints and differentiates them."""
+    def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label):
+        """Copies the ops between `seg_ys` and the checkpoints and differentiates them.
+
+        The copies wait for `trigger_ops` (control inputs); under XLA, which drops
+        control inputs and merges equal computations, they read their inputs through
+        a data dependency on `trigger` as well (see `_xla_gate`).
+        """
         ops = get_backward_walk_ops([y.op for y in seg_ys], inclusive=True,
                                     within_ops=self.region.op_set, stop_at_ts=self.checkpoints)
         local_inputs = self._inputs_to_localise(ops)
         with tf.name_scope(label):
-            replacements = TensorMap((t, _local_input(t)) for t in local_inputs)
+            gate = _xla_gate(trigger) if self.under_xla else None
+            replacements = TensorMap((t, _local_input(t, gate)) for t in local_inputs)
             copy = copy_with_input_replacements(ops, replacements, name_scope="recompute")
             for op in ops:
                 # A copy runs where its original ran, and its gradient ops are colocated
@@ -529,14 +538,36 @@ def _serialize_conv_gradients(copied_ops):
                     _tf_private.add_control_inputs(consumer, [partner])
 
 
-def _local_input(t):
+def _local_input(t, gate=None):
     """A segment's own view of an outside tensor, on the tensor's device.
 
     An identity, not a stop_gradient: the segment's tf.gradients call stops at
     it anyway (it is one of that call's xs and stop_gradients), and a
     stop_gradient would also cut every higher-order gradient taken through
-    the gradients memsave returns (they would come out None).
+    the gradients memsave returns (they would come out None). Under XLA, `t`
+    times `gate` (a 1 XLA cannot fold: exact for every value, -0.0 and NaN included).
     """
     placement = tf.device(t.op.device) if t.op.device else contextlib.nullcontext()
     with placement:
+        if gate is not None and (t.dtype.is_floating or t.dtype.is_complex or t.dtype.is_integer):
+            return tf.multiply(t, tf.cast(gate, t.dtype), name="input")
         return tf.identity(t, name="input")
+
+
+def _xla_gate(trigger):
+    """A float32 scalar 1 computed from the data of `trigger` (the incoming gradient of
+    a segment, or the ys for the last one).
+
+    XLA ignores control inputs and merges equal computations, so copies that only
+    wait for their segment's gradient through control inputs would be merged back
+    into the forward pass (nothing saved). Copies that read their inputs times this
+    value differ from the forward ops and cannot run before `trigger` exists. It reads
+    one element; any value (NaN, an empty tensor) gives 1 (tf.recompute_grad does the
+    same).
+    """
+    with tf.name_scope("xla_gate"):
+        if trigger.dtype.is_complex:
+            trigger = tf.math.real(trigger)
+        first = tf.reduce_max(tf.reshape(trigger, [-1])[:1])  # -inf when empty
+        as_bool = tf.cast(first, tf.bool)  # NaN -> True
+        return tf.where(tf.equal(as_bool, as_bool), 1.0, float("nan"))

@@ -57,13 +57,14 @@ def chain(mode, n=100, residual=False, mark_every=10):
     return _measure(step, x)
 
 
-def deep_mlp(mode, layers=48, batch=4096, width=256):
-    """A deep tanh MLP with variables, in tf.function; gradients w.r.t. all weights."""
+def deep_mlp(mode, layers=48, batch=4096, width=256, jit=False):
+    """A deep tanh MLP with variables, in tf.function (jit=True: compiled by XLA);
+    gradients w.r.t. all weights."""
     rng = np.random.RandomState(0)
     weights = [tf.Variable((rng.standard_normal([width, width]) / np.sqrt(width)).astype(np.float32))
                for _ in range(layers)]
 
-    @tf.function
+    @tf.function(jit_compile=jit)
     def step(x):
         h = x
         for w in weights:
@@ -93,8 +94,9 @@ def chain_v1(mode, n=100):
             "checksum": float(sum(np.sum(g, dtype=np.float64) for g in values))}
 
 
-def small_cnn(mode, blocks=12, batch=32, width=16):
-    """A ResNet-style CNN (conv-BN-ReLU blocks from tf.nn ops) in tf.function."""
+def small_cnn(mode, blocks=12, batch=32, width=16, jit=False):
+    """A ResNet-style CNN (conv-BN-ReLU blocks from tf.nn ops) in tf.function (jit=True:
+    compiled by XLA)."""
     rng = np.random.RandomState(0)
 
     def variable(shape, scale):
@@ -105,7 +107,7 @@ def small_cnn(mode, blocks=12, batch=32, width=16):
               variable([width], 0.0)) for _ in range(blocks)]
     weights = [stem] + [v for conv in convs for v in conv[:1]]
 
-    @tf.function
+    @tf.function(jit_compile=jit)
     def step(images):
         h = tf.nn.relu(tf.nn.conv2d(images, stem, 1, "SAME"))
         for w, scale, offset in convs:

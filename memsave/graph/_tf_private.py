@@ -57,8 +57,14 @@ def create_op_like(op, inputs, name):
 
 
 def control_flow_context(op):
-    """The v1 control-flow context (cond or while frame) of `op`, or None."""
-    return op._get_control_flow_context()
+    """The v1 control-flow context (cond or while frame) of `op`, or None.
+
+    The XLA context TensorFlow puts around a jit-compiled function's body is no
+    such frame and is skipped."""
+    context = op._get_control_flow_context()
+    while context is not None and context.IsXLAContext():
+        context = context.outer_context
+    return context
 
 
 def is_func_graph(graph):
@@ -83,6 +89,14 @@ def graph_tensor_of_variable(variable, graph):
     if is_func_graph(graph) and isinstance(handle, tf_ops.EagerTensor):
         return graph.capture(handle)
     return handle
+
+
+def in_xla_context(graph):
+    """Whether ops built in `graph` will be compiled by XLA: the body of a
+    tf.function(jit_compile=True), or of a function it calls (TensorFlow marks the
+    graph that calls a jit-compiled function with an XLA control-flow context)."""
+    from tensorflow.python.ops import control_flow_util
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
 
 
 def is_eager_tensor(value):

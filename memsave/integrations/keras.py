@@ -23,11 +23,11 @@ Three ways in, pick one:
 Or, in your own `Model` subclass, `return memsave.keras.train_step(self, data)`
 from `train_step`.
 
-Needs graph execution (the default; not `run_eagerly=True`). XLA
-(`jit_compile=True`) compiles the whole step and may merge the recomputation
-back into the forward pass, so `jit_compile='auto'` (the default) is resolved to
-False for MemsaveModel/MemsaveSequential/MemsaveTrainStep models; an explicit
-True is kept, with a logged warning.
+Needs graph execution (the default; not `run_eagerly=True`). XLA is fine:
+`jit_compile` keeps Keras' meaning (`'auto'`, the default, is XLA where Keras
+chooses it, i.e. with an accelerator; `True` always), and the recomputation
+survives compilation (memsave's copies depend on their segment's gradient through
+data, which XLA cannot merge away: see memsave.rewrite).
 
 This module imports Keras; `import memsave` does not import it (use
 `memsave.keras`, which loads this module on first use).
@@ -108,7 +108,6 @@ def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS):
     if tf.executing_eagerly():
         raise MemsaveError("memsave.keras train_step is running eagerly.",
                            hint=_RUN_EAGERLY_HINT)
-    _warn_if_xla(model)  # runs while Keras traces the step, not per batch
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if model._call_has_training_arg:  # pylint: disable=protected-access
         y_pred = model(x, training=True)
@@ -131,14 +130,6 @@ def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS):
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def _warn_if_xla(model):
-    if getattr(model, "compiled", False) and model.jit_compile:
-        _log.warning(
-            "memsave.keras: %s is compiled with jit_compile=True: XLA may merge memsave's "
-            "recomputation back into the forward pass, so the memory saving is not "
-            "guaranteed; compile with jit_compile=False to be sure of it.", model.name)
-
-
 class MemsaveTrainStep:
     """Mixin for `keras.Model` subclasses: `fit` computes gradients with memsave.
 
@@ -157,11 +148,6 @@ class MemsaveTrainStep:
           The dict of metric results.
         """
         return train_step(self, data, self.memsave_checkpoints)
-
-    def _resolve_auto_jit_compile(self):
-        # Keras' hook for jit_compile='auto' (compile's default): no XLA for
-        # memsave models (see the module doc). An explicit True is the user's.
-        return False
 
     def get_config(self):
         """The Keras config plus the strategy (a name or a budget), for saving."""
@@ -263,7 +249,6 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS):
     # builds its train function from it.
     model.train_step = memsave_train_step
     model.train_function = None
-    _warn_if_xla(model)
     return model
 
 
