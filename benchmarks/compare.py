@@ -67,7 +67,7 @@ CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_
               "predicted_mb", "predicted_error", "recompute_fraction",
               "resting_mb", "step_ms", "time_ratio", "paired_base_step_ms",
               "time_ratio_separate", "max_rel_err", "grad_build_s", "trace_s", "first_call_s",
-              "checkpoints", "copied_ops", "graph_ops", "device", "message")
+              "checkpoints", "copied_ops", "graph_ops", "xla_buffer_mb", "device", "message")
 
 
 # ----------------------------------------------------------------------------- child side
@@ -170,11 +170,13 @@ def _gradient_arrays(grads):
 
 def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps=5, warmup=2,
                    seed=0, grads_path=None, memory_limit_mb=None, model_options=None,
-                   paired=True, grappler=True, jit=False):
+                   paired=True, grappler=True, jit=False, xla_dump=None):
     """One configuration, measured in the current (fresh) process; returns a JSON-able dict.
 
     jit=True compiles the step (and the paired tf.gradients step) with XLA and records
-    how many dot and convolution ops its optimized HLO holds (`hlo_ops`).
+    how many dot and convolution ops its optimized HLO holds (`hlo_ops`); with
+    `xla_dump`, the directory XLA_FLAGS makes XLA dump to, also the bytes of its buffer
+    assignment (`xla_buffer_bytes`).
 
     Order: build and trace the step, run it once (its gradients are saved to
     `grads_path`), `warmup` more times, then MEMORY_STEPS steps while the allocator
@@ -197,7 +199,7 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
     result = {"model": model, "strategy": strategy, "device": measure.device_description()}
     try:
         result.update(_measure(model, depth, batch, strategy, steps, warmup, seed, grads_path,
-                               model_options or {}, paired, jit))
+                               model_options or {}, paired, jit, xla_dump))
         result["status"] = "ok"
     except tf.errors.ResourceExhaustedError as error:
         result.update(status="OOM", message=_oom_line(error.message))
@@ -218,7 +220,7 @@ def _first_line(text):
 
 
 def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path, model_options,
-             paired, jit=False):
+             paired, jit=False, xla_dump=None):
     import numpy as np
     import tensorflow as tf
 
@@ -251,6 +253,8 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
     out["first_call_s"] = time.perf_counter() - start
     if jit:
         out["hlo_ops"] = measure.hlo_op_counts(step, *inputs)
+    if xla_dump:  # before anything else is compiled in this process
+        out["xla_buffer_bytes"] = measure.xla_buffer_bytes(xla_dump)
     out["loss"] = float(loss)
     arrays, out["grad_kinds"] = _gradient_arrays(grads)
     if grads_path:
@@ -305,12 +309,16 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
             model_options=None, timeout=900, paired=True, grappler=True, jit=False):
     """Runs measure_config in its own process; a crash or kill becomes a result row too."""
     started = time.perf_counter()
+    env = _child_env(memory_limit_mb)
+    dump = tempfile.TemporaryDirectory(prefix="memsave-xla-") if jit else None
+    if dump:
+        env.update(measure.xla_dump_env(dump.name))
     try:
         result = measure.run_isolated(
-            CHILD_TARGET, timeout=timeout, env=_child_env(memory_limit_mb), model=model,
+            CHILD_TARGET, timeout=timeout, env=env, model=model,
             depth=depth, batch=batch, strategy=strategy, steps=steps, warmup=warmup, seed=seed,
             grads_path=grads_path, memory_limit_mb=memory_limit_mb, model_options=model_options,
-            paired=paired, grappler=grappler, jit=jit)
+            paired=paired, grappler=grappler, jit=jit, xla_dump=dump and dump.name)
     except measure.IsolatedRunError as error:
         if measure.is_oom_failure(error):
             status = "OOM"
@@ -324,6 +332,8 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
             tail = [line for line in error.stderr.splitlines() if line.strip()]
             message = tail[-1] if tail else str(error).splitlines()[0]
         result = {"model": model, "strategy": strategy, "status": status, "message": message}
+    if dump:
+        dump.cleanup()
     result["wall_s"] = time.perf_counter() - started
     result.setdefault("depth", depth)
     return result
@@ -443,7 +453,14 @@ def _rows(results, strategies, paths):
         if result.get("hlo_ops"):
             row["hlo_ops"] = result["hlo_ops"]
             counts = ", ".join(f"{n} {kind}" for kind, n in sorted(result["hlo_ops"].items()))
-            row["message"] = "; ".join(filter(None, [row["message"], f"optimized HLO: {counts}"]))
+            xla = f"optimized HLO: {counts}"
+            if result.get("xla_buffer_bytes"):
+                row["xla_buffer_mb"] = result["xla_buffer_bytes"] / 2**20
+                xla += f"; XLA buffers {row['xla_buffer_mb']:.1f} MB"
+                base_buffers = base.get("xla_buffer_bytes")
+                if base_buffers and strategy != BASELINE:
+                    xla += f" ({result['xla_buffer_bytes'] / base_buffers:.2f}x)"
+            row["message"] = "; ".join(filter(None, [row["message"], xla]))
         rows.append(row)
     return rows
 

@@ -194,6 +194,32 @@ def hlo_op_counts(function, *args, kinds=("dot", "convolution")):
     return {kind: len(re.findall(rf"\s{kind}\(", hlo)) for kind in kinds}
 
 
+def xla_dump_env(directory):
+    """Environment for a child process whose XLA compilations write their HLO and buffer
+    assignment to `directory` (see `xla_buffer_bytes`)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {"XLA_FLAGS": f"{flags} --xla_dump_to={directory} --xla_dump_hlo_as_text".strip()}
+
+
+def xla_buffer_bytes(directory):
+    """The largest "Total bytes used" of the XLA buffer assignments dumped in `directory`
+    (parameters, outputs and the temporary buffer of the biggest compiled module), or None.
+
+    TensorFlow's allocator may hold more than this: BFC does not split a free chunk when
+    what is left would be under 128 MiB, so the one large temporary buffer of an XLA
+    step can occupy a chunk up to 128 MiB larger than itself.
+    """
+    import glob
+    import re
+    sizes = []
+    for path in glob.glob(os.path.join(directory, "*memory-usage-report.txt")):
+        with open(path, encoding="utf-8") as handle:
+            match = re.match(r"Total bytes used: (\d+)", handle.readline())
+        if match:
+            sizes.append(int(match.group(1)))
+    return max(sizes) if sizes else None
+
+
 def time_calls(fn, repeats=5, warmup=1):
     """Median wall time of `fn()` in seconds, after `warmup` untimed calls."""
     times = sorted(time_each_call(fn, repeats, warmup))
