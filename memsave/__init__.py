@@ -16,6 +16,7 @@ from memsave.rewrite import (  # noqa: E402
 from memsave.strategies import (  # noqa: E402
     CHECKPOINT_COLLECTION, STRATEGIES, budget, mark_checkpoint)
 from memsave.report import RewriteReport, last_report  # noqa: E402
+from memsave.offload import Offload  # noqa: E402
 from memsave.integrations.optimizers import MemsaveOptimizer, gradient_function  # noqa: E402
 from memsave.integrations.patch import patch  # noqa: E402
 
@@ -25,7 +26,7 @@ __all__ = [
     "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
     "mark_checkpoint", "CHECKPOINT_COLLECTION", "STRATEGIES", "MemsaveError",
     "RewriteReport", "last_report", "plan", "MemsaveWarning",
-    "patch", "gradient_function", "MemsaveOptimizer", "budget", "always_rewrite",
+    "patch", "gradient_function", "MemsaveOptimizer", "budget", "always_rewrite", "Offload",
 ]
 
 

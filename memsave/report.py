@@ -50,7 +50,9 @@ class RewriteReport:
     where in the step the peak falls. `recompute_flops` is the estimated cost of
     the recomputed copies, `forward_flops` that of one forward pass of the region.
     `unknown_dims` tensors had unknown dimensions, counted as `unknown_dim_size`
-    (see memsave.plan's and memsave.budget's `unknown_dim_size`).
+    (see memsave.plan's and memsave.budget's `unknown_dim_size`). `offloaded` names
+    each checkpoint copy read back from host memory (one per reading segment), and
+    `offload_moved_bytes` the bytes moved per step, out and back (memsave.offload).
     """
     strategy: str
     region_ops: int
@@ -68,6 +70,8 @@ class RewriteReport:
     forward_flops: int = 0
     unknown_dims: int = 0
     unknown_dim_size: int = 1
+    offloaded: List[str] = dataclasses.field(default_factory=list)
+    offload_moved_bytes: int = 0
 
     @property
     def kept_bytes(self):
@@ -96,7 +100,13 @@ class RewriteReport:
                 f"{self.region_ops} ops; {len(self.segments)} segments recompute "
                 f"{self.copied_ops} ops ({_mb(self.recomputed_bytes)}), about "
                 f"{self.recompute_fraction:.0%} of a forward pass; {len(self.not_recomputable)} "
-                f"ops kept as not recomputable{self._peaks()}")
+                f"ops kept as not recomputable{self._offload()}{self._peaks()}")
+
+    def _offload(self):
+        if not self.offloaded:
+            return ""
+        return (f"; {len(set(self.offloaded))} checkpoints offloaded to host memory "
+                f"({_mb(self.offload_moved_bytes)} moved per step)")
 
     def _peaks(self):
         if self.predicted_peak_bytes is None:

@@ -33,6 +33,7 @@ import warnings
 import tensorflow as tf
 
 from memsave import aggregate, inputs, planner
+from memsave import offload as offload_lib
 from memsave import report as report_lib
 from memsave.errors import MemsaveError, MemsaveTypeError, MemsaveWarning
 from memsave.graph import _tf_private
@@ -92,7 +93,7 @@ _PASSED_THROUGH = ("gate_gradients", "aggregation_method", "colocate_gradients_w
 
 
 @_graph_code
-def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, **kwargs):
+def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwargs):
     """Gradients of `ys` with respect to `xs`, keeping only checkpoint activations.
 
     A drop-in replacement for `tf.gradients`, for tf.compat.v1 graphs and
@@ -107,6 +108,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, **kwargs):
       grad_ys: optional initial gradients, one per y.
       checkpoints: a list of tensors (or tensor names) to keep, a strategy
         name ('collection', 'memory', 'speed') or a strategy callable.
+      offload: keep checkpoints in host memory between the forward and the
+        backward pass (memsave.offload): False (default), True (the host of
+        each checkpoint's device), a device string, or memsave.Offload(...).
       **kwargs: as for tf.gradients (gate_gradients, aggregation_method,
         colocate_gradients_with_ops (default True, as tf.gradients),
         stop_gradients, unconnected_gradients, name).
@@ -119,6 +123,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, **kwargs):
         MemsaveError is one too.
     """
     options = _Options(kwargs)
+    options.offload = offload_lib.normalise(offload)
     call = inputs.normalise_call(ys, xs, grad_ys, kwargs.get("stop_gradients"))
     strategy, strategy_name = inputs.resolve_strategy(
         "collection" if checkpoints is _DEFAULT else checkpoints, call.graph)
@@ -274,6 +279,7 @@ class _Options:
             raise MemsaveError(f"unconnected_gradients is {unconnected!r}; expected 'none' or "
                                "'zero' (tf.UnconnectedGradients.NONE or .ZERO)") from error
         self.name = kwargs.get("name") or "memsave"
+        self.offload = None  # an offload.Offload, set by gradients()
         # Everything, for a call answered by plain tf.gradients.
         self.plain = dict(self.passed, unconnected_gradients=self.unconnected,
                           name=kwargs.get("name") or "gradients")
@@ -375,12 +381,16 @@ class _Rewrite:
         self.serialize_conv_gradients = planner.model_of(region).graph.conv_threads > 0
         # Built for XLA (tf.function(jit_compile=True), Keras jit_compile): see _xla_gate.
         self.under_xla = _tf_private.in_xla_context(ys[0].graph)
+        self.offloader = offload_lib.Offloader(options.offload, self.under_xla)
+        self.triggers = []  # each segment's trigger ops, in the order the backward runs them
 
     def run(self):
         self._last_segment()
         for group in reversed(self._checkpoint_groups()):
             self._earlier_segment(group)
-        return self._gradients_of_xs()
+        result = self._gradients_of_xs()
+        self.report.offload_moved_bytes = self.offloader.moved_bytes
+        return result
 
     # -- steps 4 and 5 -----------------------------------------------------------
     def _last_segment(self):
@@ -418,9 +428,11 @@ class _Rewrite:
         ops = get_backward_walk_ops([y.op for y in seg_ys], inclusive=True,
                                     within_ops=self.region.op_set, stop_at_ts=self.checkpoints)
         local_inputs = self._inputs_to_localise(ops)
+        self.triggers.append(trigger_ops)
         with tf.name_scope(label):
             gate = _xla_gate(trigger) if self.under_xla else None
-            replacements = TensorMap((t, _local_input(t, gate)) for t in local_inputs)
+            replacements = TensorMap((t, _local_input(self._source_of(t), gate))
+                                     for t in local_inputs)
             copy = copy_with_input_replacements(ops, replacements, name_scope="recompute")
             for op in ops:
                 # A copy runs where its original ran, and its gradient ops are colocated
@@ -442,6 +454,16 @@ class _Rewrite:
             recomputed_bytes=sum(estimated_bytes(t) for op in copy.ops for t in op.outputs)))
         logger.debug("memsave: %s recomputes %d ops ending at %s", label, len(copy),
                      [y.name for y in seg_ys])
+
+    def _source_of(self, t):
+        """Where a segment reads input `t` from: an offloaded checkpoint's copy back, which
+        leaves the host once the segment a prefetch distance earlier in the backward
+        pass has its gradient (memsave.offload); `t` itself otherwise."""
+        if t not in self.checkpoints or not self.offloader.applies_to(t):
+            return t
+        prefetch_from = max(len(self.triggers) - 1 - self.offloader.options.prefetch, 0)
+        self.report.offloaded.append(t.name)
+        return self.offloader.copy_back(t, self.triggers[prefetch_from])
 
     def _inputs_to_localise(self, ops):
         """Tensors read by `ops` from outside the segment that carry gradient to the xs:

@@ -18,6 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 from benchmarks import keras_fit_memory  # noqa: E402
+from _versions import XLA_SAVINGS_MEASURED  # noqa: E402
 
 CHILD_ENV = {"PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
 DEPTH, WIDTH, CLASSES, SAMPLES, BATCH = 8, 32, 4, 128, 32
@@ -81,6 +82,19 @@ def test_memsave_model_fit_matches_plain_fit(reference_history, checkpoints="mem
     assert report is not None and report.checkpoints, "memsave did not rewrite the train step"
 
 
+def test_fit_with_offload_matches_plain_fit(reference_history):
+    # Checkpoints copied to /CPU:0 and back (one device here: tests/test_offload.py checks
+    # placement on two logical devices); training must not change.
+    offload = memsave.Offload("/CPU:0", min_bytes=0)
+    model = _compile(_functional(memsave.keras.MemsaveModel, offload=offload))
+    _assert_same_history(_fit(model), reference_history)
+    assert memsave.last_report().offloaded, "nothing was offloaded"
+    plain = _compile(_functional(keras.Model))
+    memsave.keras.enable(plain, offload=offload)
+    _assert_same_history(_fit(plain), reference_history)
+    assert memsave.last_report().offloaded
+
+
 def test_sequential_and_enable_match_plain_fit(reference_history):
     keras.utils.set_random_seed(0)
     sequential = memsave.keras.MemsaveSequential([keras.Input((WIDTH,))] + _layers())
@@ -138,11 +152,13 @@ def test_loss_scale_optimizer_mixed_precision():
 
 
 def test_save_and_load_keep_class_strategy_and_compile(tmp_path):
-    model = _compile(_functional(memsave.keras.MemsaveModel, checkpoints="speed"))
+    offload = memsave.Offload(min_bytes=4096, prefetch=2)
+    model = _compile(_functional(memsave.keras.MemsaveModel, checkpoints="speed", offload=offload))
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
     assert isinstance(loaded, memsave.keras.MemsaveModel)
     assert loaded.memsave_checkpoints == "speed"
+    assert loaded.memsave_offload == offload
     assert loaded.compiled and loaded.loss is not None
     for a, b in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
@@ -161,6 +177,8 @@ def test_bad_input():
         _functional(memsave.keras.MemsaveModel, checkpoints="fastest")
     with pytest.raises(memsave.MemsaveError, match="takes a keras.Model"):
         memsave.keras.enable(object())
+    with pytest.raises(memsave.MemsaveError, match="offload is a int"):
+        _functional(memsave.keras.MemsaveModel, offload=3)
 
 
 def test_keras_fit_step_saves_memory():
@@ -172,6 +190,7 @@ def test_keras_fit_step_saves_memory():
     assert memsaved["ratio"] < 0.7, rows
 
 
+@XLA_SAVINGS_MEASURED
 def test_keras_fit_step_under_xla_keeps_its_saving():
     # jit_compile=True in both (measured 0.57x, as without XLA; merged copies gave ~1.0x).
     rows = keras_fit_memory.compare(("memory",), timeout=300, jobs=2, jit_compile=True)

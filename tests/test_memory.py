@@ -13,6 +13,8 @@ import pytest
 
 from memsave.measure import run_isolated
 
+from _versions import XLA_SAVINGS_MEASURED
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PREDICTION_TOLERANCE = 0.15
 
@@ -63,6 +65,7 @@ def test_deep_mlp_in_tf_function_peaks_at_most_half():
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-4)
 
 
+@XLA_SAVINGS_MEASURED
 def test_deep_mlp_under_xla_peaks_at_most_half():
     # tf.function(jit_compile=True): XLA must not merge the recomputation back into the
     # forward pass (without memsave's data dependencies it did: 285 MB vs 281 MB).

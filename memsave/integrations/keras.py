@@ -33,6 +33,7 @@ This module imports Keras; `import memsave` does not import it (use
 `memsave.keras`, which loads this module on first use).
 """
 
+import dataclasses
 import logging
 
 import keras
@@ -41,6 +42,7 @@ import tensorflow as tf
 # keras.Model) keeps Keras from rewriting MemsaveModel's bases on first use.
 from keras.src.models.functional import Functional as _Functional
 
+from memsave import offload as offload_lib
 from memsave import rewrite as _rewrite
 from memsave.errors import MemsaveError
 from memsave.integrations.optimizers import check_checkpoints
@@ -84,7 +86,7 @@ def _tf_variable(variable):
     return variable
 
 
-def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS):
+def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
     """One Keras training step whose gradients come from `memsave.gradients`.
 
     The same steps as Keras' TensorFlow `train_step` (forward pass with
@@ -98,6 +100,7 @@ def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS):
         `(x, y, sample_weight)`.
       checkpoints: memsave strategy: 'memory' (default), 'speed', 'collection'
         or a list of tensors to keep.
+      offload: host offload of checkpoints, as for memsave.gradients.
     Returns:
       The dict of metric results, as Keras' `train_step` returns.
     Raises:
@@ -123,7 +126,7 @@ def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS):
     trainable_weights = model.trainable_weights
     if trainable_weights:
         grads = _rewrite.gradients(loss, [_tf_variable(v) for v in trainable_weights],
-                                   checkpoints=checkpoints)
+                                   checkpoints=checkpoints, offload=offload)
         model.optimizer.apply_gradients(zip(grads, trainable_weights))
     else:
         _log.warning("memsave.keras: the model has no trainable weights; nothing to train")
@@ -134,10 +137,12 @@ class MemsaveTrainStep:
     """Mixin for `keras.Model` subclasses: `fit` computes gradients with memsave.
 
     Put it before the Keras base class: `class M(MemsaveTrainStep, keras.Model)`.
-    The strategy is the attribute `memsave_checkpoints` (default 'memory').
+    The strategy is the attribute `memsave_checkpoints` (default 'memory'), host
+    offload the attribute `memsave_offload` (default False; see memsave.offload).
     """
 
     memsave_checkpoints = DEFAULT_CHECKPOINTS
+    memsave_offload = False
 
     def train_step(self, data):
         """Keras' train step with memsave gradients (see `train_step`).
@@ -147,10 +152,11 @@ class MemsaveTrainStep:
         Returns:
           The dict of metric results.
         """
-        return train_step(self, data, self.memsave_checkpoints)
+        return train_step(self, data, self.memsave_checkpoints, self.memsave_offload)
 
     def get_config(self):
-        """The Keras config plus the strategy (a name or a budget), for saving."""
+        """The Keras config plus the strategy (a name or a budget) and the offload
+        setting, for saving."""
         config = super().get_config()
         checkpoints = self.memsave_checkpoints
         if isinstance(checkpoints, str):
@@ -158,6 +164,10 @@ class MemsaveTrainStep:
         elif isinstance(checkpoints, _budget):
             config["memsave_checkpoints"] = {"budget": checkpoints.limit,
                                              "unknown_dim_size": checkpoints.unknown_dim_size}
+        offload = self.memsave_offload
+        if isinstance(offload, offload_lib.Offload):
+            offload = dataclasses.asdict(offload)
+        config["memsave_offload"] = offload
         return config
 
     @classmethod
@@ -168,8 +178,12 @@ class MemsaveTrainStep:
         if isinstance(checkpoints, dict) and "budget" in checkpoints:
             checkpoints = _budget(checkpoints["budget"],
                                          unknown_dim_size=checkpoints.get("unknown_dim_size"))
+        offload = config.pop("memsave_offload", cls.memsave_offload)
+        if isinstance(offload, dict):
+            offload = offload_lib.Offload(**offload)
         model = super().from_config(config, custom_objects=custom_objects)
         model.memsave_checkpoints = checkpoints
+        model.memsave_offload = offload
         return model
 
 
@@ -183,7 +197,7 @@ class MemsaveModel(MemsaveTrainStep, _Functional):
     `class MyModel(memsave.keras.MemsaveTrainStep, keras.Model)`.
     """
 
-    def __init__(self, *args, checkpoints=DEFAULT_CHECKPOINTS, **kwargs):
+    def __init__(self, *args, checkpoints=DEFAULT_CHECKPOINTS, offload=False, **kwargs):
         """Builds the model as `keras.Model(inputs, outputs)` would.
 
         Args:
@@ -191,12 +205,15 @@ class MemsaveModel(MemsaveTrainStep, _Functional):
             name, ...).
           checkpoints: memsave strategy for `fit`: 'memory' (default),
             'speed', 'collection' or a list of tensors.
+          offload: host offload of checkpoints, as for memsave.gradients.
         Raises:
-          MemsaveError: if `checkpoints` names no strategy.
+          MemsaveError: if `checkpoints` names no strategy or `offload` is bad.
         """
         check_checkpoints(checkpoints)
+        offload_lib.normalise(offload)
         super().__init__(*args, **kwargs)
         self.memsave_checkpoints = checkpoints
+        self.memsave_offload = offload
 
 
 @keras.saving.register_keras_serializable(package="memsave")
@@ -206,21 +223,25 @@ class MemsaveSequential(MemsaveTrainStep, keras.Sequential):
         model = memsave.keras.MemsaveSequential([...layers...], checkpoints='memory')
     """
 
-    def __init__(self, layers=None, *args, checkpoints=DEFAULT_CHECKPOINTS, **kwargs):
+    def __init__(self, layers=None, *args, checkpoints=DEFAULT_CHECKPOINTS, offload=False,
+                 **kwargs):
         """Builds the model as `keras.Sequential` would.
 
         Args:
           layers, *args, **kwargs: as for `keras.Sequential`.
           checkpoints: memsave strategy for `fit`.
+          offload: host offload of checkpoints, as for memsave.gradients.
         Raises:
-          MemsaveError: if `checkpoints` names no strategy.
+          MemsaveError: if `checkpoints` names no strategy or `offload` is bad.
         """
         check_checkpoints(checkpoints)
+        offload_lib.normalise(offload)
         super().__init__(layers, *args, **kwargs)
         self.memsave_checkpoints = checkpoints
+        self.memsave_offload = offload
 
 
-def enable(model, checkpoints=DEFAULT_CHECKPOINTS):
+def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
     """Makes an existing Keras model's `fit` compute gradients with memsave.
 
     For models you did not define, e.g. `keras.applications.ResNet50(weights=None)`.
@@ -230,6 +251,7 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS):
       model: a `keras.Model` (TensorFlow backend).
       checkpoints: memsave strategy: 'memory' (default), 'speed', 'collection'
         or a list of tensors to keep.
+      offload: host offload of checkpoints, as for memsave.gradients.
     Returns:
       `model`, changed in place.
     Raises:
@@ -238,11 +260,12 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS):
     """
     _check_backend()
     check_checkpoints(checkpoints)
+    offload_lib.normalise(offload)
     if not isinstance(model, keras.Model):
         raise MemsaveError(f"memsave.keras.enable takes a keras.Model, got {type(model).__name__}")
 
     def memsave_train_step(data):
-        return train_step(model, data, checkpoints)
+        return train_step(model, data, checkpoints, offload)
 
     memsave_train_step.memsave_checkpoints = checkpoints
     # An instance attribute wins over the class's train_step; the next fit

@@ -17,6 +17,7 @@ Both need a graph: a `tf.compat.v1` graph, or the body of a `tf.function`.
 import tensorflow as tf
 from tensorflow.python.training import optimizer as _tf_optimizer_module
 
+from memsave import offload as offload_lib
 from memsave import rewrite as _rewrite
 from memsave.errors import MemsaveError
 from memsave.strategies import STRATEGIES
@@ -58,7 +59,7 @@ def check_checkpoints(checkpoints):
     return checkpoints
 
 
-def gradient_function(checkpoints="collection"):
+def gradient_function(checkpoints="collection", offload=False):
     """Returns a `tf.gradients`-compatible function that uses memsave.
 
     The returned function has the signature of `tf.compat.v1.gradients`
@@ -70,12 +71,15 @@ def gradient_function(checkpoints="collection"):
     Args:
       checkpoints: the strategy for every call: 'collection', 'speed',
         'memory', or a list of tensors (or tensor names) to keep.
+      offload: as for memsave.gradients (False, True, a device string or
+        memsave.Offload).
     Returns:
       A function computing d(ys)/d(xs) with memsave.
     Raises:
-      MemsaveError: if `checkpoints` names no strategy.
+      MemsaveError: if `checkpoints` names no strategy, or `offload` is not one.
     """
     check_checkpoints(checkpoints)
+    offload_lib.normalise(offload)
 
     def memsave_gradients(ys, xs, grad_ys=None, name="gradients",
                           colocate_gradients_with_ops=False, gate_gradients=False,
@@ -100,9 +104,11 @@ def gradient_function(checkpoints="collection"):
                       stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients)
         if name != "gradients":  # (the default: memsave's ops then go under "memsave")
             kwargs["name"] = name
-        return _rewrite.gradients(ys, xs, grad_ys, checkpoints=checkpoints, **kwargs)
+        return _rewrite.gradients(ys, xs, grad_ys, checkpoints=checkpoints, offload=offload,
+                                  **kwargs)
 
     memsave_gradients.checkpoints = checkpoints
+    memsave_gradients.offload = offload
     return memsave_gradients
 
 
@@ -122,7 +128,7 @@ class MemsaveOptimizer(tf.compat.v1.train.Optimizer):
     `compute_gradients` and `apply_gradients` instead.
     """
 
-    def __init__(self, optimizer, checkpoints="collection", name=None):
+    def __init__(self, optimizer, checkpoints="collection", name=None, offload=False):
         """Wraps `optimizer`.
 
         Args:
@@ -131,6 +137,8 @@ class MemsaveOptimizer(tf.compat.v1.train.Optimizer):
             list of tensors to keep.
           name: name for this optimizer; defaults to "Memsave" + the wrapped
             optimizer's name.
+          offload: as for memsave.gradients (False, True, a device string or
+            memsave.Offload).
         Raises:
           MemsaveError: if `optimizer` is not a v1 optimizer or `checkpoints`
             names no strategy.
@@ -140,7 +148,7 @@ class MemsaveOptimizer(tf.compat.v1.train.Optimizer):
                 f"MemsaveOptimizer wraps a tf.compat.v1.train.Optimizer, got "
                 f"{type(optimizer).__name__}. For Keras optimizers use memsave.keras "
                 "(model.fit) or memsave.gradients in your tf.function train step.")
-        self._memsave_gradients = gradient_function(checkpoints)
+        self._memsave_gradients = gradient_function(checkpoints, offload)
         self._optimizer = optimizer
         self._checkpoints = checkpoints
         super().__init__(use_locking=False, name=name or "Memsave" + optimizer.get_name())

@@ -37,6 +37,7 @@ import logging
 import threading
 
 from memsave.errors import MemsaveError
+from memsave import offload as offload_lib
 from memsave.integrations.optimizers import check_checkpoints, gradient_function
 
 _log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ _MODULE_SITES = ("tensorflow.python.ops.gradients", "tensorflow.python.ops.gradi
 _ATTRIBUTE = "gradients"
 
 _lock = threading.RLock()
-# The active patches, innermost last; each entry is (entry token, checkpoints).
+# The active patches, innermost last; each entry is (entry token, (checkpoints, offload)).
 _active = []
 # While any patch is active: the saved attribute slots, in the order they were
 # patched. Each is (owner, present, value): owner's __dict__ had the attribute
@@ -102,14 +103,14 @@ def _make_dispatcher(original):
 
     def gradients(*args, **kwargs):
         with _lock:
-            checkpoints = _active[-1][1] if _active else None
-        if checkpoints is None or _in_memsave():
+            setting = _active[-1][1] if _active else None
+        if setting is None or _in_memsave():
             return original(*args, **kwargs)
         # tf.gradients and tf.compat.v1.gradients differ in their positional
         # order: bind to the original's signature, pass everything by name.
         arguments = signature.bind(*args, **kwargs).arguments
         with _inside_memsave():
-            return gradient_function(checkpoints)(**arguments)
+            return gradient_function(*setting)(**arguments)
 
     gradients.__name__ = getattr(original, "__name__", "gradients")
     gradients.__qualname__ = gradients.__name__
@@ -177,7 +178,7 @@ def original_gradients():
 def active_checkpoints():
     """The strategy of the innermost active patch, or None when none is active."""
     with _lock:
-        return _active[-1][1] if _active else None
+        return _active[-1][1][0] if _active else None
 
 
 class patch(contextlib.ContextDecorator):  # noqa: N801 -- used like a function
@@ -186,6 +187,8 @@ class patch(contextlib.ContextDecorator):  # noqa: N801 -- used like a function
     Args:
       checkpoints: strategy for every patched call: 'collection', 'speed',
         'memory', or a list of tensors (or tensor names) to keep.
+      offload: as for memsave.gradients (False, True, a device string or
+        memsave.Offload).
     Raises:
       MemsaveError: if `checkpoints` names no strategy.
 
@@ -196,8 +199,10 @@ class patch(contextlib.ContextDecorator):  # noqa: N801 -- used like a function
         grads = tf.gradients(loss, params)               # plain TF again
     """
 
-    def __init__(self, checkpoints="collection"):
+    def __init__(self, checkpoints="collection", offload=False):
         self.checkpoints = check_checkpoints(checkpoints)
+        offload_lib.normalise(offload)
+        self.offload = offload
         self._tokens = []
 
     def __enter__(self):
@@ -205,7 +210,7 @@ class patch(contextlib.ContextDecorator):  # noqa: N801 -- used like a function
         with _lock:
             if not _active:
                 _install()
-            _active.append((token, self.checkpoints))
+            _active.append((token, (self.checkpoints, self.offload)))
         self._tokens.append(token)
         return self
 
