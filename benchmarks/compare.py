@@ -72,8 +72,9 @@ CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_
 
 # ----------------------------------------------------------------------------- child side
 
-def _strategy_gradient_fn(strategy, model):
-    """(grad_fn(ys, xs), timings dict) for a strategy name; timings gets 'grad_build_s'."""
+def _strategy_gradient_fn(strategy, model, offload=False):
+    """(grad_fn(ys, xs), timings dict) for a strategy name; timings gets 'grad_build_s'.
+    `offload` goes to every memsave call (memsave.offload)."""
     import tensorflow as tf
 
     import memsave
@@ -83,12 +84,12 @@ def _strategy_gradient_fn(strategy, model):
             return tf.gradients(ys, xs)
     elif strategy in MEMSAVE_STRATEGIES:
         def compute(ys, xs):
-            return memsave.gradients(ys, xs, checkpoints=strategy)
+            return memsave.gradients(ys, xs, checkpoints=strategy, offload=offload)
     elif strategy.startswith("budget:"):
         limit = _budget_limit(strategy)
 
         def compute(ys, xs):
-            return memsave.gradients(ys, xs, checkpoints=memsave.budget(limit))
+            return memsave.gradients(ys, xs, checkpoints=memsave.budget(limit), offload=offload)
     elif strategy.startswith("every:"):
         every = int(strategy.split(":", 1)[1])
         if every < 1:
@@ -96,7 +97,7 @@ def _strategy_gradient_fn(strategy, model):
 
         def compute(ys, xs):
             chosen = model.block_outputs[every - 1::every]
-            return memsave.gradients(ys, xs, checkpoints=chosen)
+            return memsave.gradients(ys, xs, checkpoints=chosen, offload=offload)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; use {BASELINE}, "
                          f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F or every:K")
@@ -140,8 +141,10 @@ def _report_summary(strategy):
     checkpoints = getattr(report, "checkpoints", None)
     if checkpoints is not None:
         summary["checkpoints"] = len(checkpoints)
+    summary["offloaded"] = len(set(getattr(report, "offloaded", ())))
     for field in ("copied_ops", "kept_bytes", "recomputed_bytes", "fallback",
-                  "predicted_peak_bytes", "baseline_peak_bytes", "recompute_fraction"):
+                  "predicted_peak_bytes", "baseline_peak_bytes", "recompute_fraction",
+                  "offload_moved_bytes"):
         value = getattr(report, field, None)
         if value is not None:
             summary[field] = value
@@ -170,7 +173,7 @@ def _gradient_arrays(grads):
 
 def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps=5, warmup=2,
                    seed=0, grads_path=None, memory_limit_mb=None, model_options=None,
-                   paired=True, grappler=True, jit=False, xla_dump=None):
+                   paired=True, grappler=True, jit=False, xla_dump=None, offload=False):
     """One configuration, measured in the current (fresh) process; returns a JSON-able dict.
 
     jit=True compiles the step (and the paired tf.gradients step) with XLA and records
@@ -199,7 +202,7 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
     result = {"model": model, "strategy": strategy, "device": measure.device_description()}
     try:
         result.update(_measure(model, depth, batch, strategy, steps, warmup, seed, grads_path,
-                               model_options or {}, paired, jit, xla_dump))
+                               model_options or {}, paired, jit, xla_dump, offload))
         result["status"] = "ok"
     except tf.errors.ResourceExhaustedError as error:
         result.update(status="OOM", message=_oom_line(error.message))
@@ -220,7 +223,7 @@ def _first_line(text):
 
 
 def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path, model_options,
-             paired, jit=False, xla_dump=None):
+             paired, jit=False, xla_dump=None, offload=False):
     import numpy as np
     import tensorflow as tf
 
@@ -234,7 +237,7 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
            "depth": depth, "batch": int(model.inputs[0].shape[0]),
            "weights_checksum": float(sum(np.abs(v.numpy()).sum(dtype=np.float64)
                                          for v in model.variables))}
-    grad_fn, timings = _strategy_gradient_fn(strategy, model)
+    grad_fn, timings = _strategy_gradient_fn(strategy, model, offload)
     step = model.make_step(grad_fn, jit_compile=jit)
     inputs = [tf.constant(array) for array in model.inputs]
 
@@ -306,7 +309,8 @@ def _child_env(memory_limit_mb):
 
 
 def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb, grads_path,
-            model_options=None, timeout=900, paired=True, grappler=True, jit=False):
+            model_options=None, timeout=900, paired=True, grappler=True, jit=False,
+            offload=False):
     """Runs measure_config in its own process; a crash or kill becomes a result row too."""
     started = time.perf_counter()
     env = _child_env(memory_limit_mb)
@@ -318,7 +322,8 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
             CHILD_TARGET, timeout=timeout, env=env, model=model,
             depth=depth, batch=batch, strategy=strategy, steps=steps, warmup=warmup, seed=seed,
             grads_path=grads_path, memory_limit_mb=memory_limit_mb, model_options=model_options,
-            paired=paired, grappler=grappler, jit=jit, xla_dump=dump and dump.name)
+            paired=paired, grappler=grappler, jit=jit, xla_dump=dump and dump.name,
+            offload=offload)
     except measure.IsolatedRunError as error:
         if measure.is_oom_failure(error):
             status = "OOM"
@@ -379,13 +384,14 @@ def default_strategies(model):
 
 def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmup=2, seed=0,
             memory_limit_mb=None, model_options=None, timeout=900, baseline=True, paired=True,
-            grappler=True, jit=False):
+            grappler=True, jit=False, offload=False):
     """Measures every strategy (tf.gradients first) in its own process; returns table rows.
 
     baseline=False leaves tf.gradients out (no peak ratios or errors then).
     paired=True times each memsave strategy side by side with tf.gradients in its
     process (see measure_config); the time ratio is then the paired one. jit=True
-    compiles every step with XLA (tf.function(jit_compile=True)).
+    compiles every step with XLA (tf.function(jit_compile=True)); offload=True
+    passes offload=True to every memsave strategy.
     """
     strategies = [s for s in (strategies or default_strategies(model)) if s != BASELINE]
     if baseline:
@@ -395,10 +401,11 @@ def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmu
         paths = {s: os.path.join(scratch, f"grads_{i}.npz") for i, s in enumerate(strategies)}
         for done, strategy in enumerate(strategies, 1):
             result = run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
-                             paths[strategy], model_options, timeout, paired, grappler, jit)
+                             paths[strategy], model_options, timeout, paired, grappler, jit,
+                             offload)
             _log_progress(done, len(strategies), model, depth, result)
             results[strategy] = result
-        rows = _rows(results, strategies, paths)
+        rows = _rows(results, strategies, paths, offload)
     return rows
 
 
@@ -413,7 +420,15 @@ def _log_progress(done, total, model, depth, result):
                     result["status"], result.get("message", ""), result["wall_s"])
 
 
-def _rows(results, strategies, paths):
+def _offload_note(result):
+    if not result.get("offload_moved_bytes"):
+        return ("offload: nothing moved: no accelerator here (the device and the host share one "
+                "memory), so no saving can be measured; run on a GPU machine")
+    return (f"offload: {result.get('offloaded', 0)} checkpoints, "
+            f"{result['offload_moved_bytes'] / 2**20:.1f} MB moved per step (out and back)")
+
+
+def _rows(results, strategies, paths, offload_requested=False):
     base = results.get(BASELINE, {})
     base_ok = base.get("status") == "ok"
     rows = []
@@ -450,6 +465,8 @@ def _rows(results, strategies, paths):
                 elif result.get("grad_kinds") != base.get("grad_kinds"):
                     row["message"] = (f"gradient kinds differ from tf.gradients's "
                                       f"({_kind_counts(result)} vs {_kind_counts(base)})")
+        if ok and offload_requested and strategy != BASELINE:
+            row["message"] = "; ".join(filter(None, [row["message"], _offload_note(result)]))
         if result.get("hlo_ops"):
             row["hlo_ops"] = result["hlo_ops"]
             counts = ", ".join(f"{n} {kind}" for kind, n in sorted(result["hlo_ops"].items()))
@@ -712,6 +729,9 @@ def main(argv=None):
     parser.add_argument("--jit", action="store_true",
                         help="compile every step with XLA (tf.function(jit_compile=True)); the "
                              "notes give the dot/convolution ops of each optimized HLO")
+    parser.add_argument("--offload", action="store_true",
+                        help="memsave strategies keep their checkpoints in host memory "
+                             "(offload=True); the notes give what moved per step")
     parser.add_argument("--disable-grappler", action="store_true",
                         help="turn TensorFlow's graph optimizer off in every process: a check "
                              "that gradient differences are float rounding from differently "
@@ -813,7 +833,8 @@ def main(argv=None):
 
     rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
                    args.seed, args.memory_limit_mb, model_options, args.timeout,
-                   paired=not args.no_paired, grappler=not args.disable_grappler, jit=args.jit)
+                   paired=not args.no_paired, grappler=not args.disable_grappler, jit=args.jit,
+                   offload=args.offload)
     title = _title(rows, command)
     print(title)
     print(format_table(rows))

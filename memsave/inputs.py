@@ -82,8 +82,15 @@ def normalise_call(ys, xs, grad_ys=None, stop_gradients=None):
             raise MemsaveTypeError(f"ys[{i}] ({y.name}) is complex, so its gradient is not "
                                    f"defined by default; pass grad_ys (e.g. tf.ones_like(y))")
     # Last: inside a tf.function this may capture a variable's handle (an op).
-    xs = [_tf_private.graph_tensor_of_variable(x, graph) if _is_variable(x) else x for x in xs]
+    xs, stop = _handles(xs, graph), _handles(stop, graph)
     return Call(ys, xs, grad_ys, stop, graph)
+
+
+def _handles(values, graph):
+    """Variables among `values` as the graph tensors of their handles (as tf.gradients
+    takes them)."""
+    return [_tf_private.graph_tensor_of_variable(v, graph) if _is_variable(v) else v
+            for v in values]
 
 
 def _as_list(value, what):

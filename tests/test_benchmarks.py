@@ -93,6 +93,29 @@ def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
     assert "| strategy | peak MB |" in markdown and "| memory |" in markdown
 
 
+def _small_compare(capsys, *flags):
+    """compare.py on a 4-layer MLP, tf.gradients and 'memory', with `flags`; its output."""
+    code = compare.main(["--model", "mlp", "--depth", "4", "--batch", "64", "--steps", "1",
+                         "--warmup", "0", "--strategies", "tf.gradients,memory", "--quiet",
+                         *flags])
+    assert code == 0
+    return capsys.readouterr().out
+
+
+def test_offload_says_what_moved_or_that_nothing_can_be_measured(capsys):
+    printed = _small_compare(capsys, "--offload")
+    if tf.config.list_physical_devices("GPU"):
+        assert "MB moved per step (out and back)" in printed, printed
+    else:  # no misleading ratio on a machine whose "device" is the host
+        assert "offload: nothing moved: no accelerator here" in printed, printed
+
+
+def test_jit_notes_give_hlo_ops_and_xla_buffers(capsys):
+    printed = _small_compare(capsys, "--jit")
+    notes = [line for line in printed.splitlines() if "optimized HLO" in line]
+    assert len(notes) == 2 and all("XLA buffers" in line for line in notes), printed
+
+
 def test_budget_sweep_runs_budgets_down_to_an_infeasible_one(tmp_path, capsys):
     csv_path, png_path = tmp_path / "budget.csv", tmp_path / "budget.png"
     code = compare.main(["--model", "mlp", "--depth", "4", "--batch", "512", "--steps", "1",

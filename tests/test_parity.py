@@ -301,6 +301,18 @@ def test_stop_gradients_equal_stop_gradient_ops(kind):
                                                   stop_gradients=[m[k] for k in stops]))
 
 
+def test_a_variable_in_stop_gradients():
+    # tf.compat.v1 graphs only: inside a tf.function a variable has no `.op`, and
+    # tf.gradients raises an AttributeError there (memsave: a MemsaveAttributeError).
+    store = variable_store()
+
+    def make(inputs):
+        w = store("w", lambda: tf.compat.v1.Variable(np.full([3], 0.5, np.float32)))
+        h = tf.tanh(inputs["x"] * w)
+        return {"x": inputs["x"], "w": w, "y": tf.reduce_sum(tf.sin(h) * h)}
+    assert_like_tf("v1", make, lambda m, g: g(m["y"], [m["x"], m["w"]], stop_gradients=[m["w"]]))
+
+
 # -- the examples of tf.gradients' documentation ----------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS)
