@@ -106,7 +106,7 @@ class Offloader:
         if options is not None and under_xla:
             warnings.warn("memsave: offload is ignored under XLA (jit_compile): XLA places the "
                           "whole compiled step on one device, so checkpoints stay where they are",
-                          MemsaveWarning, stacklevel=5)
+                          MemsaveWarning, stacklevel=4)
 
     def applies_to(self, t):
         """Whether checkpoint `t` is offloaded: large enough, and on another device than the

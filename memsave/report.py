@@ -52,7 +52,10 @@ class RewriteReport:
     `unknown_dims` tensors had unknown dimensions, counted as `unknown_dim_size`
     (see memsave.plan's and memsave.budget's `unknown_dim_size`). `offloaded` names
     each checkpoint copy read back from host memory (one per reading segment), and
-    `offload_moved_bytes` the bytes moved per step, out and back (memsave.offload).
+    `offload_moved_bytes` the bytes moved per step, out and back (memsave.offload);
+    `predicted_host_bytes` what the offloaded checkpoints hold in host memory (the
+    predicted peak is the device's, without them between their forward readers and
+    their copies back).
     """
     strategy: str
     region_ops: int
@@ -72,6 +75,7 @@ class RewriteReport:
     unknown_dim_size: int = 1
     offloaded: List[str] = dataclasses.field(default_factory=list)
     offload_moved_bytes: int = 0
+    predicted_host_bytes: int = 0
 
     @property
     def kept_bytes(self):

@@ -142,13 +142,15 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
             return _plain_gradients(report, explicit, ys, xs, grad_ys, options)
         kept, dropped = _select_checkpoints(strategy(region), region)
         kept = _with_shared_tensors(kept, region)
-        report = _report(strategy_name, region, kept, dropped)
+        offloader = offload_lib.Offloader(options.offload,
+                                          _tf_private.in_xla_context(call.graph))
+        report = _report(strategy_name, region, kept, dropped, offloader)
         if report.fallback:
             return _plain_gradients(report, explicit and not region.cache.get(PLAIN),
                                     ys, xs, grad_ys, options)
         with tf.name_scope(options.name):
             result = _Rewrite(call.ys, call.xs, call.grad_ys, region, [c.tensor for c in kept],
-                              options, report).run()
+                              options, report, offloader).run()
     report_lib.record(report)
     return result
 
@@ -189,7 +191,7 @@ def gradients_collection(ys, xs, grad_ys=None, **kwargs):
 
 
 @_graph_code
-def plan(ys, xs, checkpoints="collection", unknown_dim_size=None):
+def plan(ys, xs, checkpoints="collection", unknown_dim_size=None, offload=False):
     """What `gradients` would keep, without adding anything to the graph.
 
     Args:
@@ -197,11 +199,15 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None):
       unknown_dim_size: the size the memory model assumes for unknown dimensions
         (e.g. the batch fed to a placeholder of shape [None, ...]); default 1. The
         report's `unknown_dims` says how many tensors that concerns.
+      offload: as for `gradients`: offloaded checkpoints count as host memory
+        (`predicted_host_bytes`), not device memory, between their forward readers
+        and their copy back.
     Returns:
       A RewriteReport with the region, the checkpoints and the predicted peaks
       (no segments); where memsave.gradients would leave the call to plain
       tf.gradients, its `fallback` says why.
     """
+    offload = offload_lib.normalise(offload)
     call = inputs.normalise_call(ys, xs)
     strategy, strategy_name = inputs.resolve_strategy(checkpoints, call.graph)
     if call.delegate:
@@ -217,15 +223,18 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None):
         warnings.simplefilter("ignore", MemsaveWarning)
         kept, dropped = _select_checkpoints(strategy(region), region)
     kept = _with_shared_tensors(kept, region)
-    return _report(strategy_name, region, kept, dropped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemsaveWarning)
+        offloader = offload_lib.Offloader(offload, _tf_private.in_xla_context(call.graph))
+    return _report(strategy_name, region, kept, dropped, offloader)
 
 
-def _report(strategy_name, region, kept, dropped):
+def _report(strategy_name, region, kept, dropped, offloader):
     """The RewriteReport of a plan, with the memory model's predictions.
 
     Sets `fallback` when there is no plan (nothing usable was chosen, or a budget
     that plain tf.gradients meets) or it is predicted to need no less than plain
-    tf.gradients.
+    tf.gradients. Checkpoints `offloader` offloads count as host memory.
     """
     model = planner.model_of(region)
     baseline = model.baseline()
@@ -242,8 +251,12 @@ def _report(strategy_name, region, kept, dropped):
         report.peak_at = baseline.peak_at
         report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
         return report
-    prediction = model.predict([model.graph.id_of(c.tensor) for c in kept])
+    graph = model.graph
+    offloaded = [graph.id_of(c.tensor) for c in kept if offloader.applies_to(c.tensor)]
+    prediction = model.predict([graph.id_of(c.tensor) for c in kept], offloaded,
+                               offloader.options.prefetch if offloaded else 1)
     report.predicted_peak_bytes = prediction.peak_bytes
+    report.predicted_host_bytes = prediction.host_bytes
     report.peak_at = prediction.peak_at
     report.recompute_flops = prediction.recompute_flops
     report.forward_flops = prediction.forward_flops
@@ -364,7 +377,7 @@ def _no_checkpoints_message(strategy_name, region):
 class _Rewrite:
     """One rewrite: the segments, and the gradient contributions between them."""
 
-    def __init__(self, ys, xs, grad_ys, region, checkpoints, options, report):
+    def __init__(self, ys, xs, grad_ys, region, checkpoints, options, report, offloader):
         self.ys, self.xs = ys, xs
         # grad_ys may be Python numbers or numpy arrays (checked by memsave.inputs).
         self.grad_ys = None if grad_ys is None else [
@@ -381,7 +394,7 @@ class _Rewrite:
         self.serialize_conv_gradients = planner.model_of(region).graph.conv_threads > 0
         # Built for XLA (tf.function(jit_compile=True), Keras jit_compile): see _xla_gate.
         self.under_xla = _tf_private.in_xla_context(ys[0].graph)
-        self.offloader = offload_lib.Offloader(options.offload, self.under_xla)
+        self.offloader = offloader
         self.triggers = []  # each segment's trigger ops, in the order the backward runs them
 
     def run(self):

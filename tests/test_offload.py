@@ -186,3 +186,30 @@ def test_integrations_pass_offload_on():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert repr(memsave.patch("memory", offload=True)).startswith("memsave.patch(")
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_the_memory_model_counts_offloaded_checkpoints_as_host_memory(prefetch):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.ones([512, 512], np.float32))  # 1 MiB tensors
+        h, marks = x, []
+        with tf.device("/CPU:0"):
+            for i in range(12):
+                h = tf.tanh(h * 1.01)
+                if i % 3 == 2 and i < 11:
+                    marks.append(h)
+        loss = tf.reduce_sum(h)
+        kept = memsave.plan(loss, [x], checkpoints=marks)
+        offload = memsave.Offload("/CPU:1", prefetch=prefetch)
+        offloaded = memsave.plan(loss, [x], checkpoints=marks, offload=offload)
+        memsave.gradients(loss, [x], checkpoints=marks, offload=offload)
+        built = memsave.last_report()
+    assert kept.predicted_host_bytes == 0
+    assert offloaded.predicted_host_bytes == built.predicted_host_bytes == 3 * 2**20
+    # The peak is in the last segment (first in the backward pass), which reads the last
+    # of three 1 MiB checkpoints. Kept, all three are on the device then; offloaded, only
+    # that one and the `prefetch` ones brought back early for the next segments.
+    saved = kept.predicted_peak_bytes - offloaded.predicted_peak_bytes
+    assert saved == max(2 - prefetch, 0) * 2**20, (saved, offloaded.peak_at)
+    assert built.predicted_peak_bytes == offloaded.predicted_peak_bytes

@@ -50,7 +50,9 @@ class Prediction:
       checkpoint_bytes: bytes of the checkpoints kept.
       segments: number of recomputed segments.
       breakdown: bytes alive at the peak by kind ('resident', 'forward',
-        'recomputed', 'gradients', 'gradients of xs').
+        'recomputed', 'offloaded back', 'gradients', 'gradients of xs').
+      host_bytes: bytes of offloaded checkpoints, held in host memory (not counted in
+        peak_bytes, which is the device's).
     """
     peak_bytes: int
     resident_bytes: int
@@ -60,6 +62,7 @@ class Prediction:
     checkpoint_bytes: int = 0
     segments: int = 0
     breakdown: Optional[dict] = None
+    host_bytes: int = 0
 
     @property
     def recompute_fraction(self):
@@ -194,16 +197,27 @@ class MemoryModel:
             self._baseline = self._simulate(None)
         return self._baseline
 
-    def predict(self, checkpoints):
-        """The step as the rewrite builds it with these checkpoint tensor ids."""
-        key = tuple(sorted(set(checkpoints)))
+    def predict(self, checkpoints, offloaded=(), prefetch=1):
+        """The step as the rewrite builds it with these checkpoint tensor ids.
+
+        Args:
+          checkpoints: tensor ids of the checkpoints.
+          offloaded: those of them kept in host memory between the forward and the
+            backward pass (memsave.offload): on the device only until their last
+            forward reader, and again from the start of the segment `prefetch`
+            segments before each segment that reads them to that segment's last read.
+          prefetch: as memsave.Offload's.
+        """
+        key = (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
+               prefetch if offloaded else None)
         prediction = self._predictions.get(key)
         if prediction is None:
-            prediction = self._predictions[key] = self._simulate(Segmentation(self.graph, key))
+            prediction = self._predictions[key] = self._simulate(
+                Segmentation(self.graph, key[0]), frozenset(key[1]), prefetch)
         return prediction
 
     # -- simulation ---------------------------------------------------------------
-    def _simulate(self, segmentation):
+    def _simulate(self, segmentation, offloaded=frozenset(), prefetch=1):
         graph, timeline = self.graph, self._forward_template.copy()
         forward = self._forward_buffers
         gradients = _Gradients(graph, timeline, self._expected)
@@ -216,7 +230,8 @@ class MemoryModel:
             for op in self._backward_order(self.path_ops):
                 self._gradient_step(op, forward, gradients, timeline, ("backward", op, None))
         else:
-            recompute = self._segments(segmentation, forward, gradients, timeline)
+            recompute = self._segments(segmentation, forward, gradients, timeline, offloaded,
+                                       prefetch)
         peak, at = timeline.peak()
         return Prediction(
             peak_bytes=peak, resident_bytes=self._resident,
@@ -225,7 +240,8 @@ class MemoryModel:
             checkpoint_bytes=0 if segmentation is None else sum(
                 graph.size[t] for t in segmentation.checkpoints),
             segments=0 if segmentation is None else len(segmentation.order),
-            breakdown=timeline.live_at(at))
+            breakdown=timeline.live_at(at),
+            host_bytes=sum(graph.size[t] for t in offloaded))
 
     def _forward(self, timeline):
         """Runs every forward op; returns the buffer of each tensor."""
@@ -261,13 +277,22 @@ class MemoryModel:
             shares = incoming[0] if aliased and incoming and incoming[0] is not None else None
             gradients.contribute(tid, nbytes, step, shares)
 
-    def _segments(self, segmentation, forward, gradients, timeline):
-        """Each segment: its recomputation, then its backward. Returns recompute FLOPs."""
+    def _segments(self, segmentation, forward, gradients, timeline, offloaded=frozenset(),
+                  prefetch=1):
+        """Each segment: its recomputation, then its backward. Returns recompute FLOPs.
+        An offloaded checkpoint a segment reads comes back into a buffer of its own from
+        the start of the segment `prefetch` segments earlier (memsave.offload)."""
         graph, recompute = self.graph, 0
+        starts = []
         for index, head in enumerate(segmentation.order):
             ops = segmentation.ops[head]
             executed = segmentation.executed(head)
+            if offloaded:  # (a step of its own only then: plain predictions stay as they were)
+                starts.append(timeline.step(("segment", None, index)))
             local = {}
+            for tid in self._offloaded_reads(ops, executed, offloaded):
+                local[tid] = timeline.buffer(starts[max(index - prefetch, 0)], graph.size[tid],
+                                             "offloaded back")
             recompute += opinfo.SEGMENT_OVERHEAD_FLOPS
             for op in ops:
                 if op not in executed:
@@ -288,6 +313,20 @@ class MemoryModel:
         for op in reversed(segmentation.final_ops):
             self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
         return recompute
+
+    def _offloaded_reads(self, ops, executed, offloaded):
+        """The offloaded checkpoints a segment's recomputation or backward reads."""
+        if not offloaded:
+            return []
+        graph, members = self.graph, set(ops)
+        reads = set()
+        for op in ops:
+            candidates = list(graph.grad_reads[op])
+            if op in executed:
+                candidates += graph.inputs[op]
+            reads.update(t for t in candidates
+                         if t in offloaded and graph.producer[t] not in members)
+        return sorted(reads)
 
     def _backward_order(self, ops):
         """The gradient steps of `ops` (producers first) in the order an executor
@@ -319,6 +358,8 @@ class MemoryModel:
 
     def describe(self, label, segmentation):
         phase, op, index = label
+        if phase == "segment":
+            return f"start of segment {index + 1} of {len(segmentation.order)}"
         if op is None:
             return "start of the backward pass"
         name = self.graph.ops[op].name
