@@ -212,9 +212,11 @@ def xla_buffer_bytes(directory):
     import glob
     import re
     sizes = []
-    for path in glob.glob(os.path.join(directory, "*memory-usage-report.txt")):
+    # (Every TensorFlow version writes the buffer assignment; newer ones also a short
+    # memory-usage report with the same total.)
+    for path in glob.glob(os.path.join(directory, "*buffer-assignment.txt")):
         with open(path, encoding="utf-8") as handle:
-            match = re.match(r"Total bytes used: (\d+)", handle.readline())
+            match = re.search(r"^Total bytes used: (\d+)", handle.read(), re.MULTILINE)
         if match:
             sizes.append(int(match.group(1)))
     return max(sizes) if sizes else None
