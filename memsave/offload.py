@@ -103,6 +103,7 @@ class Offloader:
         self.enabled = options is not None and not under_xla
         self._out = {}  # checkpoint name -> host copy
         self.moved_bytes = 0
+        self._gpus = None
         if options is not None and under_xla:
             warnings.warn("memsave: offload is ignored under XLA (jit_compile): XLA places the "
                           "whole compiled step on one device, so checkpoints stay where they are",
@@ -115,8 +116,13 @@ class Offloader:
         if not self.enabled or estimated_bytes(t) < self.options.min_bytes:
             return False
         if not t.op.device and self.options.device is None:
-            return bool(tf.config.list_logical_devices("GPU"))
+            return self._has_accelerator()
         return _canonical(self._host(t)) != _canonical(t.op.device)
+
+    def _has_accelerator(self):
+        if self._gpus is None:  # asked once per rewrite, not per checkpoint and segment
+            self._gpus = bool(tf.config.list_logical_devices("GPU"))
+        return self._gpus
 
     def _host(self, t):
         return self.options.device or host_of(t.op.device)

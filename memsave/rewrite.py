@@ -123,27 +123,23 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
         MemsaveError is one too.
     """
     options = _Options(kwargs)
-    options.offload = offload_lib.normalise(offload)
+    offload = offload_lib.normalise(offload)
     call = inputs.normalise_call(ys, xs, grad_ys, kwargs.get("stop_gradients"))
     strategy, strategy_name = inputs.resolve_strategy(
         "collection" if checkpoints is _DEFAULT else checkpoints, call.graph)
     explicit = isinstance(checkpoints, (list, tuple))
     if call.delegate:
-        report = report_lib.RewriteReport(strategy=strategy_name, region_ops=0,
-                                          fallback=_plain_message(call.delegate))
-        return _plain_gradients(report, explicit, ys, xs, grad_ys, options)
+        return _plain_gradients(_plain_report(strategy_name, call.delegate), explicit,
+                                ys, xs, grad_ys, options)
     options.stop = TensorSet(call.stop)
     with call.graph.as_default():
         region = ForwardRegion.build(call.ys, call.xs)
         if not any(region.is_connected(x) for x in call.xs):
-            report = report_lib.RewriteReport(
-                strategy=strategy_name, region_ops=len(region),
-                fallback=_plain_message("none of the ys depends on any of the xs"))
-            return _plain_gradients(report, explicit, ys, xs, grad_ys, options)
+            return _plain_gradients(_plain_report(strategy_name, _UNCONNECTED, region), explicit,
+                                    ys, xs, grad_ys, options)
         kept, dropped = _select_checkpoints(strategy(region), region)
         kept = _with_shared_tensors(kept, region)
-        offloader = offload_lib.Offloader(options.offload,
-                                          _tf_private.in_xla_context(call.graph))
+        offloader = offload_lib.Offloader(offload, _tf_private.in_xla_context(call.graph))
         report = _report(strategy_name, region, kept, dropped, offloader)
         if report.fallback:
             return _plain_gradients(report, explicit and not region.cache.get(PLAIN),
@@ -155,8 +151,14 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
     return result
 
 
-def _plain_message(reason):
-    return f"memsave: {reason}, so plain tf.gradients answered the call"
+_UNCONNECTED = "none of the ys depends on any of the xs"
+
+
+def _plain_report(strategy_name, reason, region=None):
+    """The report of a call plain tf.gradients answers because of `reason`."""
+    return report_lib.RewriteReport(
+        strategy=strategy_name, region_ops=0 if region is None else len(region),
+        fallback=f"memsave: {reason}, so plain tf.gradients answered the call")
 
 
 def _plain_gradients(report, warn, ys, xs, grad_ys, options):
@@ -211,21 +213,16 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None, offload=False)
     call = inputs.normalise_call(ys, xs)
     strategy, strategy_name = inputs.resolve_strategy(checkpoints, call.graph)
     if call.delegate:
-        return report_lib.RewriteReport(strategy=strategy_name, region_ops=0,
-                                        fallback=_plain_message(call.delegate))
+        return _plain_report(strategy_name, call.delegate)
     region = ForwardRegion.build(call.ys, call.xs)
     if not any(region.is_connected(x) for x in call.xs):
-        return report_lib.RewriteReport(
-            strategy=strategy_name, region_ops=len(region),
-            fallback=_plain_message("none of the ys depends on any of the xs"))
+        return _plain_report(strategy_name, _UNCONNECTED, region)
     region.cache[planner.UNKNOWN_DIM_SIZE] = planner.check_unknown_dim_size(unknown_dim_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemsaveWarning)
         kept, dropped = _select_checkpoints(strategy(region), region)
-    kept = _with_shared_tensors(kept, region)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MemsaveWarning)
         offloader = offload_lib.Offloader(offload, _tf_private.in_xla_context(call.graph))
+    kept = _with_shared_tensors(kept, region)
     return _report(strategy_name, region, kept, dropped, offloader)
 
 
@@ -292,7 +289,6 @@ class _Options:
             raise MemsaveError(f"unconnected_gradients is {unconnected!r}; expected 'none' or "
                                "'zero' (tf.UnconnectedGradients.NONE or .ZERO)") from error
         self.name = kwargs.get("name") or "memsave"
-        self.offload = None  # an offload.Offload, set by gradients()
         # Everything, for a call answered by plain tf.gradients.
         self.plain = dict(self.passed, unconnected_gradients=self.unconnected,
                           name=kwargs.get("name") or "gradients")
@@ -422,8 +418,7 @@ class _Rewrite:
     def _earlier_segment(self, group):
         seg_ys, seg_grads = [], []
         for c in group:
-            with self._colocated_with(c):
-                d_c = aggregate.sum_dense(self.pending_of(c))
+            d_c = self._summed(c, self.pending_of(c))
             if d_c is not None and c not in self.options.stop:
                 seg_ys.append(c)
                 seg_grads.append(d_c)
@@ -501,12 +496,17 @@ class _Rewrite:
                 _tf_private.add_control_inputs(op, trigger_ops)
 
     # -- bookkeeping ---------------------------------------------------------------
-    def _colocated_with(self, t):
-        """Where tf.gradients sums the gradient contributions of `t`: with t's op when
-        colocating gradients with ops, under the caller's device scope otherwise."""
-        if not self.options.colocate:
-            return contextlib.nullcontext()
-        return tf.compat.v1.get_default_graph().colocate_with(t.op, ignore_existing=True)
+    def _summed(self, t, contributions, keep_sparse=False):
+        """The sum of `t`'s gradient contributions (dense, or sparse where all are), made
+        where tf.gradients makes it: with t's op when colocating gradients with ops,
+        under the caller's device scope otherwise."""
+        placement = contextlib.nullcontext()
+        if self.options.colocate:
+            placement = tf.compat.v1.get_default_graph().colocate_with(t.op, ignore_existing=True)
+        with placement:
+            if keep_sparse:
+                return aggregate.sum_keeping_sparse(contributions)
+            return aggregate.sum_dense(contributions)
 
     def _add(self, t, gradient):
         contributions = self.pending.get(t)
@@ -534,12 +534,9 @@ class _Rewrite:
         inner_xs = [t for t in self.pending.keys() if self.region.is_x(t)
                     and t.op in self.region.dependent_x_ops and t not in self.options.stop]
         if kept or inner_xs:
-            grad_ys = []
-            for t in kept + inner_xs:
-                with self._colocated_with(t):
-                    grad_ys.append(aggregate.sum_dense(self.pending_of(t)))
             through_kept = _tf_gradients(
-                kept + inner_xs, self.xs, grad_ys=grad_ys,
+                kept + inner_xs, self.xs,
+                grad_ys=[self._summed(t, self.pending_of(t)) for t in kept + inner_xs],
                 stop_gradients=list(self.options.stop) or None, **self.options.passed)
             inner = TensorSet(inner_xs)
             for x, contributions, g in zip(self.xs, per_x, through_kept):
@@ -547,10 +544,7 @@ class _Rewrite:
                     contributions[:] = []
                 if g is not None:
                     contributions.append(g)
-        result = []
-        for x, contributions in zip(self.xs, per_x):
-            with self._colocated_with(x):
-                result.append(aggregate.sum_keeping_sparse(contributions))
+        result = [self._summed(x, c, keep_sparse=True) for x, c in zip(self.xs, per_x)]
         if self.options.unconnected == tf.UnconnectedGradients.ZERO:
             result = [g if g is not None else _tf_private.zero_gradient_like(x)
                       for g, x in zip(result, self.xs)]
