@@ -19,6 +19,12 @@ the data on the host until the prefetch point. The copies are `Snapshot` ops:
 Grappler removes `Identity` pairs it thinks useless (even across devices), not
 `Snapshot`s.
 
+Which checkpoints are offloaded: with a checkpoint list or a strategy, every
+checkpoint of at least `min_bytes` on another device than the host; with
+`memsave.budget(limit, offload=...)`, the ones the planner chose, where moving
+them costs less than recomputing what keeping them saves (the transfer cost is
+`Offload.flops_per_byte`; memsave.planner.opinfo.transfer_flops).
+
 Under XLA, device placement inside the compiled cluster is ignored, so nothing
 is offloaded there (with a MemsaveWarning).
 """
@@ -35,6 +41,11 @@ from memsave.region import estimated_bytes
 
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_PREFETCH = 1
+# A device's FLOP rate over its host link's bandwidth: what moving one byte costs in
+# FLOPs the device could have run instead. An H100 (~60 TFLOP/s float32) over PCIe 5
+# (~50 GB/s) is about 1200; an A100 (19.5 TFLOP/s) over PCIe 4 (~25 GB/s) about 800.
+DEFAULT_FLOPS_PER_BYTE = 1000.0
+OFFLOADER = "offloader"  # region.cache key: the call's Offloader, for planners
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +61,14 @@ class Offload:
       prefetch: how many segments ahead of the one that reads a checkpoint its copy
         back may start (0: when that segment's own gradient is ready; default 1:
         while the previous segment's backward runs, so the transfer overlaps it).
+      flops_per_byte: what moving one byte to the host costs, in FLOPs of the device
+        (its FLOP rate over the host link's bandwidth; default 1000, a PCIe-attached
+        data-centre GPU). Only `memsave.budget` weighs it, against recomputation.
     """
     device: Optional[str] = None
     min_bytes: int = DEFAULT_MIN_BYTES
     prefetch: int = DEFAULT_PREFETCH
+    flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE
 
     def __post_init__(self):
         if self.device is not None and not isinstance(self.device, str):
@@ -63,6 +78,11 @@ class Offload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
                 raise MemsaveError(f"offload {name} is {value!r}; pass an int >= 0")
+        value = self.flops_per_byte
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not 0 <= value < float("inf")):
+            raise MemsaveError(f"offload flops_per_byte is {value!r}; pass a number >= 0 (the "
+                               "device's FLOP/s over its host link's bytes/s, e.g. 1000)")
 
 
 def normalise(offload):
@@ -102,22 +122,33 @@ class Offloader:
         self.options = options
         self.enabled = options is not None and not under_xla
         self._out = {}  # checkpoint name -> host copy
+        self._chosen = None  # names of the checkpoints a planner chose to offload
         self.moved_bytes = 0
         self._gpus = None
         if options is not None and under_xla:
             warnings.warn("memsave: offload is ignored under XLA (jit_compile): XLA places the "
                           "whole compiled step on one device, so checkpoints stay where they are",
-                          MemsaveWarning, stacklevel=4)
+                          MemsaveWarning, stacklevel=5)
 
-    def applies_to(self, t):
-        """Whether checkpoint `t` is offloaded: large enough, and on another device than the
-        one it would wait on. A checkpoint TensorFlow places itself (no device set) is on an
-        accelerator only if there is one."""
+    def follow(self, choices):
+        """Offloads only what a planner chose (Choice.offload True), where it chose:
+        checkpoints it decided nothing about then stay on the device."""
+        if any(choice.offload is not None for choice in choices):
+            self._chosen = {choice.tensor.name for choice in choices if choice.offload}
+
+    def may_offload(self, t):
+        """Whether checkpoint `t` could be offloaded: large enough, and on another device
+        than the one it would wait on. A checkpoint TensorFlow places itself (no device
+        set) is on an accelerator only if there is one."""
         if not self.enabled or estimated_bytes(t) < self.options.min_bytes:
             return False
         if not t.op.device and self.options.device is None:
             return self._has_accelerator()
         return _canonical(self._host(t)) != _canonical(t.op.device)
+
+    def applies_to(self, t):
+        """Whether checkpoint `t` is offloaded: it may be, and no planner chose otherwise."""
+        return self.may_offload(t) and (self._chosen is None or t.name in self._chosen)
 
     def _has_accelerator(self):
         if self._gpus is None:  # asked once per rewrite, not per checkpoint and segment

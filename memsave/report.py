@@ -19,12 +19,13 @@ _latest = threading.local()
 
 @dataclasses.dataclass
 class CheckpointInfo:
-    """One kept tensor."""
+    """One kept tensor (`offloaded`: waits in host memory, memsave.offload)."""
     name: str
     shape: str
     dtype: str
     bytes: int
     reason: str
+    offloaded: bool = False
 
     @classmethod
     def of(cls, t, reason):
@@ -55,7 +56,9 @@ class RewriteReport:
     `offload_moved_bytes` the bytes moved per step, out and back (memsave.offload);
     `predicted_host_bytes` what the offloaded checkpoints hold in host memory (the
     predicted peak is the device's, without them between their forward readers and
-    their copies back).
+    their copies back), and `transfer_flops` what the model says the transfers cost
+    (memsave.planner.opinfo.transfer_flops). `memsave.plan` predicts the moved bytes
+    and leaves `offloaded` empty; each checkpoint's `offloaded` says what it plans.
     """
     strategy: str
     region_ops: int
@@ -76,6 +79,7 @@ class RewriteReport:
     offloaded: List[str] = dataclasses.field(default_factory=list)
     offload_moved_bytes: int = 0
     predicted_host_bytes: int = 0
+    transfer_flops: int = 0
 
     @property
     def kept_bytes(self):
@@ -107,9 +111,10 @@ class RewriteReport:
                 f"ops kept as not recomputable{self._offload()}{self._peaks()}")
 
     def _offload(self):
-        if not self.offloaded:
+        count = sum(c.offloaded for c in self.checkpoints)
+        if not count:
             return ""
-        return (f"; {len(set(self.offloaded))} checkpoints offloaded to host memory "
+        return (f"; {count} checkpoints offloaded to host memory "
                 f"({_mb(self.offload_moved_bytes)} moved per step)")
 
     def _peaks(self):
@@ -130,6 +135,7 @@ class RewriteReport:
         """A readable table of checkpoints and segments."""
         lines = [self.summary(), "", "kept (checkpoints):"]
         lines += [f"  {c.name:<48} {c.shape:<20} {c.dtype:<8} {_mb(c.bytes):>10}  {c.reason}"
+                  + ("; offloaded to host memory" if c.offloaded else "")
                   for c in self.checkpoints]
         if self.dropped:
             lines += ["dropped from the checkpoint list:"]

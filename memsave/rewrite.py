@@ -123,10 +123,10 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
         MemsaveError is one too.
     """
     options = _Options(kwargs)
-    offload = offload_lib.normalise(offload)
     call = inputs.normalise_call(ys, xs, grad_ys, kwargs.get("stop_gradients"))
     strategy, strategy_name = inputs.resolve_strategy(
         "collection" if checkpoints is _DEFAULT else checkpoints, call.graph)
+    offload = _offload_of(offload, strategy)
     explicit = isinstance(checkpoints, (list, tuple))
     if call.delegate:
         return _plain_gradients(_plain_report(strategy_name, call.delegate), explicit,
@@ -137,9 +137,10 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
         if not any(region.is_connected(x) for x in call.xs):
             return _plain_gradients(_plain_report(strategy_name, _UNCONNECTED, region), explicit,
                                     ys, xs, grad_ys, options)
+        offloader = _offloader(offload, region, call.graph)
         kept, dropped = _select_checkpoints(strategy(region), region)
         kept = _with_shared_tensors(kept, region)
-        offloader = offload_lib.Offloader(offload, _tf_private.in_xla_context(call.graph))
+        offloader.follow(kept)
         report = _report(strategy_name, region, kept, dropped, offloader)
         if report.fallback:
             return _plain_gradients(report, explicit and not region.cache.get(PLAIN),
@@ -209,9 +210,9 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None, offload=False)
       (no segments); where memsave.gradients would leave the call to plain
       tf.gradients, its `fallback` says why.
     """
-    offload = offload_lib.normalise(offload)
     call = inputs.normalise_call(ys, xs)
     strategy, strategy_name = inputs.resolve_strategy(checkpoints, call.graph)
+    offload = _offload_of(offload, strategy)
     if call.delegate:
         return _plain_report(strategy_name, call.delegate)
     region = ForwardRegion.build(call.ys, call.xs)
@@ -220,10 +221,35 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None, offload=False)
     region.cache[planner.UNKNOWN_DIM_SIZE] = planner.check_unknown_dim_size(unknown_dim_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemsaveWarning)
+        offloader = _offloader(offload, region, call.graph)
         kept, dropped = _select_checkpoints(strategy(region), region)
-        offloader = offload_lib.Offloader(offload, _tf_private.in_xla_context(call.graph))
     kept = _with_shared_tensors(kept, region)
+    offloader.follow(kept)
     return _report(strategy_name, region, kept, dropped, offloader)
+
+
+def _offload_of(offload, strategy):
+    """The call's offload setting (an Offload or None): its own `offload=` or the
+    strategy's (memsave.budget(..., offload=)).
+
+    Raises:
+      MemsaveError: when the two differ.
+    """
+    offload = offload_lib.normalise(offload)
+    planned = getattr(strategy, "offload", None)
+    if planned is None or offload == planned:
+        return planned or offload
+    if offload is not None:
+        raise MemsaveError(f"offload is given twice, as {offload!r} and as {planned!r} in "
+                           f"{strategy!r}; give it in one place")
+    return planned
+
+
+def _offloader(offload, region, graph):
+    """The call's Offloader, where planners (memsave.budget) find it too."""
+    offloader = offload_lib.Offloader(offload, _tf_private.in_xla_context(graph))
+    region.cache[offload_lib.OFFLOADER] = offloader
+    return offloader
 
 
 def _report(strategy_name, region, kept, dropped, offloader):
@@ -249,11 +275,18 @@ def _report(strategy_name, region, kept, dropped, offloader):
         report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
         return report
     graph = model.graph
-    offloaded = [graph.id_of(c.tensor) for c in kept if offloader.applies_to(c.tensor)]
+    offloaded = []
+    for c, info in zip(kept, report.checkpoints):
+        info.offloaded = offloader.applies_to(c.tensor)
+        if info.offloaded:
+            offloaded.append(graph.id_of(c.tensor))
+    options = offloader.options
     prediction = model.predict([graph.id_of(c.tensor) for c in kept], offloaded,
-                               offloader.options.prefetch if offloaded else 1)
+                               *((options.prefetch, options.flops_per_byte) if offloaded else ()))
     report.predicted_peak_bytes = prediction.peak_bytes
     report.predicted_host_bytes = prediction.host_bytes
+    report.offload_moved_bytes = prediction.moved_bytes  # (the rewrite counts what it moves)
+    report.transfer_flops = prediction.transfer_flops
     report.peak_at = prediction.peak_at
     report.recompute_flops = prediction.recompute_flops
     report.forward_flops = prediction.forward_flops

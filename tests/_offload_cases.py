@@ -143,3 +143,34 @@ def mirrored_case():
            if any("offload_" in n.name for n in f.post_optimization_graph.node)]
     return dict(max_diff=max(diffs), reports=reports,
                 **_copies([g for f in ran for g in f.partition_graphs]))
+
+
+def budget_case():
+    """memsave.budget(0.5, offload=...) in a v1 Session: a budget recomputation alone
+    cannot meet, met by offloading what the planner chose from /CPU:0 to /CPU:1."""
+    _two_cpus()
+    rng = np.random.RandomState(2)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2048, 256])
+        with tf.device("/CPU:0"):
+            weights = [tf.compat.v1.Variable((rng.standard_normal([256, 256]) / 16)
+                                             .astype(np.float32)) for _ in range(16)]
+            h = x
+            for w in weights:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.reduce_sum(h * h)
+            expected = tf.gradients(loss, weights)
+            budget = memsave.budget(0.5, offload="/CPU:1")
+            planned = [c.name for c in memsave.plan(loss, weights, checkpoints=budget).checkpoints
+                       if c.offloaded]
+            got = memsave.gradients(loss, weights, checkpoints=budget)
+            report = memsave.last_report()
+        options = tf.compat.v1.RunOptions(output_partition_graphs=True)
+        metadata = tf.compat.v1.RunMetadata()
+        feed = {x: rng.standard_normal([2048, 256]).astype(np.float32)}
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            values = session.run([expected, got], feed, options=options, run_metadata=metadata)
+    return dict(planned=planned, offloaded=report.offloaded, max_diff=_max_diff(*values),
+                **_copies(metadata.partition_graphs))

@@ -202,7 +202,8 @@ def test_keras_fit_step_under_xla_keeps_its_saving():
 
 def test_budget_strategy_fits_and_is_saved(tmp_path, reference_history):
     # This model's weights dominate its peak: the whole budget goes to tf.gradients' plan.
-    budget = memsave.budget(1.0, unknown_dim_size=BATCH)
+    offload = memsave.Offload(min_bytes=4096, flops_per_byte=250.0)
+    budget = memsave.budget(1.0, unknown_dim_size=BATCH, offload=offload)
     model = _compile(_functional(memsave.keras.MemsaveModel, checkpoints=budget))
     _assert_same_history(_fit(model), reference_history)
     report = memsave.last_report()
@@ -212,3 +213,4 @@ def test_budget_strategy_fits_and_is_saved(tmp_path, reference_history):
     assert isinstance(loaded.memsave_checkpoints, memsave.budget)
     assert loaded.memsave_checkpoints.limit == 1.0
     assert loaded.memsave_checkpoints.unknown_dim_size == BATCH
+    assert loaded.memsave_checkpoints.offload == offload

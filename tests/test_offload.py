@@ -213,3 +213,94 @@ def test_the_memory_model_counts_offloaded_checkpoints_as_host_memory(prefetch):
     saved = kept.predicted_peak_bytes - offloaded.predicted_peak_bytes
     assert saved == max(2 - prefetch, 0) * 2**20, (saved, offloaded.peak_at)
     assert built.predicted_peak_bytes == offloaded.predicted_peak_bytes
+
+
+# -- budgets that may offload ----------------------------------------------------------
+
+def _wide_mlp(depth=16):
+    """tanh(x @ w) layers of 2 MiB activations on /CPU:0, with 0.25 MiB weights: the
+    activations dominate, as in a training step on an accelerator."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.ones([2048, 256], np.float32))
+        weights = [tf.Variable(np.eye(256, dtype=np.float32) / 2) for _ in range(depth)]
+        h = x
+        with tf.device("/CPU:0"):
+            for w in weights:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.reduce_sum(h)
+    return graph, loss, weights
+
+
+def _planned_offload(report):
+    return [c.name for c in report.checkpoints if c.offloaded]
+
+
+@pytest.mark.parametrize("flops_per_byte", [0.0, 1e9])
+def test_budget_offloads_only_where_transfers_cost_less_than_recomputation(flops_per_byte):
+    graph, loss, weights = _wide_mlp()
+    with graph.as_default():
+        kept_only = memsave.plan(loss, weights, checkpoints=memsave.budget(0.7))
+        offload = memsave.Offload("/CPU:1", flops_per_byte=flops_per_byte)
+        report = memsave.plan(loss, weights, checkpoints=memsave.budget(0.7, offload=offload))
+    assert report.predicted_peak_bytes <= 0.7 * report.baseline_peak_bytes
+    assert not _planned_offload(kept_only) and kept_only.recompute_flops > 0
+    if flops_per_byte == 0:  # free transfers: keep (nearly) everything, offload the rest
+        assert _planned_offload(report)
+        assert report.recompute_flops < kept_only.recompute_flops / 10
+        assert report.predicted_host_bytes > 0 and report.offload_moved_bytes > 0
+    else:  # transfers dearer than any recomputation: the plan without offload
+        assert not _planned_offload(report) and report.transfer_flops == 0
+        assert [c.name for c in report.checkpoints] == [c.name for c in kept_only.checkpoints]
+
+
+def test_budget_with_offload_reaches_peaks_recomputation_alone_cannot():
+    graph, loss, weights = _wide_mlp()
+    with graph.as_default():
+        with pytest.raises(memsave.MemsaveError, match="cannot be met"):
+            memsave.plan(loss, weights, checkpoints=memsave.budget(0.5))
+        budget = memsave.budget(0.5, offload="/CPU:1")
+        planned = memsave.plan(loss, weights, checkpoints=budget)
+        ops_before = len(graph.get_operations())
+        memsave.gradients(loss, weights, checkpoints=budget)
+        built = memsave.last_report()
+        copies_out = [op for op in graph.get_operations()[ops_before:]
+                      if op.name.endswith("offload_out")]
+        with pytest.raises(memsave.MemsaveError, match=r"can reach on this graph with offload "
+                                                       r"is 19(\.\d+)? MB"):
+            memsave.plan(loss, weights, checkpoints=memsave.budget(0.4, offload="/CPU:1"))
+    assert planned.predicted_peak_bytes <= 0.5 * planned.baseline_peak_bytes
+    assert built.predicted_peak_bytes == planned.predicted_peak_bytes
+    # The rewrite offloads exactly what the plan chose, each copied out once.
+    chosen = _planned_offload(planned)
+    assert chosen and _planned_offload(built) == chosen
+    assert sorted(set(built.offloaded)) == sorted(chosen)
+    assert sorted(op.inputs[0].name for op in copies_out) == sorted(chosen)
+    assert built.offload_moved_bytes == planned.offload_moved_bytes
+
+
+def test_offload_given_to_the_budget_and_the_call_must_agree():
+    graph, loss, weights = _wide_mlp(depth=4)
+    with graph.as_default():
+        budget = memsave.budget(0.8, offload="/CPU:1")
+        memsave.plan(loss, weights, checkpoints=budget, offload="/CPU:1")  # the same: fine
+        ops = len(graph.get_operations())
+        with pytest.raises(memsave.MemsaveError, match=r"offload is given twice"):
+            memsave.gradients(loss, weights, checkpoints=budget, offload=True)
+        assert len(graph.get_operations()) == ops
+    assert repr(budget) == ("memsave.budget(0.8, offload=Offload(device='/CPU:1', "
+                            "min_bytes=1048576, prefetch=1, flops_per_byte=1000.0))")
+    with pytest.raises(memsave.MemsaveError, match="offload flops_per_byte is -1"):
+        memsave.Offload(flops_per_byte=-1)
+    with pytest.raises(memsave.MemsaveError, match="offload is a int"):
+        memsave.budget(0.5, offload=3)
+
+
+def test_budget_with_offload_runs_on_two_devices_with_gradients_of_tf_gradients():
+    result = _run("budget_case")
+    assert result["max_diff"] == 0.0, result["max_diff"]
+    assert result["planned"] and sorted(set(result["offloaded"])) == sorted(result["planned"])
+    kinds = _by_kind(result["copies"])
+    assert len(kinds["offload_out"]) == len(result["planned"])
+    assert all(copy["device"].endswith("CPU:1") for copy in kinds["offload_out"])
+    assert all(copy["device"].endswith("CPU:0") for copy in kinds["offload_back"])

@@ -164,6 +164,52 @@ def test_budget_plan_on_a_chain_is_optimal(seed):
         assert found[0].recompute_flops == _brute_force(model, limit)
 
 
+def _brute_force_with_offload(model, limit, offloadable):
+    """Least cost (recomputation + transfers) over every subset of candidate tensors and
+    every subset of it offloaded, with peak <= limit."""
+    tensors = search.Candidates(model.graph).tensors
+    costs = [model.predict(list(kept), list(offloaded), offloadable.prefetch,
+                           offloadable.flops_per_byte).cost_flops
+             for r in range(1, len(tensors) + 1) for kept in itertools.combinations(tensors, r)
+             for k in range(len(kept) + 1) for offloaded in itertools.combinations(kept, k)
+             if model.predict(list(kept), list(offloaded), offloadable.prefetch,
+                              offloadable.flops_per_byte).peak_bytes <= limit]
+    return min(costs, default=None)
+
+
+# (seed, flops_per_byte, whether the optimum at the lowest reachable peak offloads): at
+# 1000 FLOP/byte, seed 6's chain recomputes what it offloads at 10.
+@pytest.mark.parametrize("seed,flops_per_byte,offloads", [
+    (1, 0.0, True), (6, 10.0, True), (6, 1000.0, False), (3, 10.0, False)])
+def test_budget_plan_with_offload_on_a_chain_is_optimal(seed, flops_per_byte, offloads):
+    rng = np.random.default_rng(seed)
+    with tf.Graph().as_default():
+        model = _random_chain(rng, n_ops=int(rng.integers(7, 10)))
+        tensors = search.Candidates(model.graph).tensors
+        assert len(tensors) <= search.EXACT_OFFLOAD_LIMIT
+        offloadable = search.Offloadable(frozenset(tensors), prefetch=1,
+                                         flops_per_byte=flops_per_byte)
+        lowest = search.lowest_reachable_peak(model, offloadable)
+        for fraction in (0.0, 0.2):
+            limit = int(lowest + fraction * (model.baseline().peak_bytes - lowest))
+            found = search.within_budget(model, limit, expensive=[], offloadable=offloadable)
+            assert found is not None and found[0].peak_bytes <= limit
+            assert found[0].cost_flops == _brute_force_with_offload(model, limit, offloadable)
+            if fraction == 0.0:
+                assert bool(found[2]) == offloads, found[2]
+            kept_only = search.within_budget(model, limit, expensive=[])
+            assert kept_only is None or found[0].cost_flops <= kept_only[0].cost_flops
+
+
+def test_transfer_cost_counts_what_outlasts_the_computation_it_overlaps():
+    overhead = opinfo.OP_OVERHEAD_FLOPS
+    # 1 MB out at 1000 FLOP/byte = 1e9 FLOPs against a 4e8 forward pass: 6e8 show; the
+    # same back against a 8e8 backward pass: 2e8 show; three copies.
+    assert opinfo.transfer_flops(10**6, 10**6, 3, 4 * 10**8, 1000) == 8 * 10**8 + 3 * overhead
+    # Hidden by the computation: only the copies' overhead.
+    assert opinfo.transfer_flops(10**6, 2 * 10**6, 3, 4 * 10**9, 1000) == 3 * overhead
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_budget_plan_on_a_dag_is_within_ten_percent_of_optimal(seed):
     rng = np.random.default_rng(100 + seed)

@@ -163,11 +163,9 @@ class MemsaveTrainStep:
             config["memsave_checkpoints"] = checkpoints
         elif isinstance(checkpoints, _budget):
             config["memsave_checkpoints"] = {"budget": checkpoints.limit,
-                                             "unknown_dim_size": checkpoints.unknown_dim_size}
-        offload = self.memsave_offload
-        if isinstance(offload, offload_lib.Offload):
-            offload = dataclasses.asdict(offload)
-        config["memsave_offload"] = offload
+                                             "unknown_dim_size": checkpoints.unknown_dim_size,
+                                             "offload": _offload_config(checkpoints.offload)}
+        config["memsave_offload"] = _offload_config(self.memsave_offload)
         return config
 
     @classmethod
@@ -177,14 +175,22 @@ class MemsaveTrainStep:
         checkpoints = config.pop("memsave_checkpoints", cls.memsave_checkpoints)
         if isinstance(checkpoints, dict) and "budget" in checkpoints:
             checkpoints = _budget(checkpoints["budget"],
-                                         unknown_dim_size=checkpoints.get("unknown_dim_size"))
-        offload = config.pop("memsave_offload", cls.memsave_offload)
-        if isinstance(offload, dict):
-            offload = offload_lib.Offload(**offload)
+                                  unknown_dim_size=checkpoints.get("unknown_dim_size"),
+                                  offload=_offload_from_config(checkpoints.get("offload")))
+        offload = _offload_from_config(config.pop("memsave_offload", cls.memsave_offload))
         model = super().from_config(config, custom_objects=custom_objects)
         model.memsave_checkpoints = checkpoints
         model.memsave_offload = offload
         return model
+
+
+def _offload_config(offload):
+    """An offload setting as Keras config (an Offload becomes a dict)."""
+    return dataclasses.asdict(offload) if isinstance(offload, offload_lib.Offload) else offload
+
+
+def _offload_from_config(config):
+    return offload_lib.Offload(**config) if isinstance(config, dict) else config
 
 
 @keras.saving.register_keras_serializable(package="memsave")

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 from typing import Optional
 
+from memsave.offload import DEFAULT_FLOPS_PER_BYTE
 from memsave.planner import opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
 from memsave.planner.segments import Segmentation
@@ -53,6 +54,9 @@ class Prediction:
         'recomputed', 'offloaded back', 'gradients', 'gradients of xs').
       host_bytes: bytes of offloaded checkpoints, held in host memory (not counted in
         peak_bytes, which is the device's).
+      moved_bytes: bytes copied to the host and back per step.
+      transfer_flops: what those copies cost the step, in FLOPs
+        (memsave.planner.opinfo.transfer_flops).
     """
     peak_bytes: int
     resident_bytes: int
@@ -63,6 +67,13 @@ class Prediction:
     segments: int = 0
     breakdown: Optional[dict] = None
     host_bytes: int = 0
+    moved_bytes: int = 0
+    transfer_flops: int = 0
+
+    @property
+    def cost_flops(self):
+        """What the plan adds to the step: recomputation and transfers."""
+        return self.recompute_flops + self.transfer_flops
 
     @property
     def recompute_fraction(self):
@@ -197,7 +208,7 @@ class MemoryModel:
             self._baseline = self._simulate(None)
         return self._baseline
 
-    def predict(self, checkpoints, offloaded=(), prefetch=1):
+    def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None):
         """The step as the rewrite builds it with these checkpoint tensor ids.
 
         Args:
@@ -206,18 +217,21 @@ class MemoryModel:
             backward pass (memsave.offload): on the device only until their last
             forward reader, and again from the start of the segment `prefetch`
             segments before each segment that reads them to that segment's last read.
-          prefetch: as memsave.Offload's.
+          prefetch, flops_per_byte: as memsave.Offload's (default flops_per_byte:
+            memsave.offload.DEFAULT_FLOPS_PER_BYTE).
         """
+        if flops_per_byte is None:
+            flops_per_byte = DEFAULT_FLOPS_PER_BYTE
         key = (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
-               prefetch if offloaded else None)
+               (prefetch, flops_per_byte) if offloaded else None)
         prediction = self._predictions.get(key)
         if prediction is None:
             prediction = self._predictions[key] = self._simulate(
-                Segmentation(self.graph, key[0]), frozenset(key[1]), prefetch)
+                Segmentation(self.graph, key[0]), frozenset(key[1]), prefetch, flops_per_byte)
         return prediction
 
     # -- simulation ---------------------------------------------------------------
-    def _simulate(self, segmentation, offloaded=frozenset(), prefetch=1):
+    def _simulate(self, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0):
         graph, timeline = self.graph, self._forward_template.copy()
         forward = self._forward_buffers
         gradients = _Gradients(graph, timeline, self._expected)
@@ -225,13 +239,15 @@ class MemoryModel:
         for tid, is_y in enumerate(graph.is_y):
             if is_y:
                 gradients.seed(tid, start)
-        recompute = 0
+        recompute, back = 0, []
         if segmentation is None:
             for op in self._backward_order(self.path_ops):
                 self._gradient_step(op, forward, gradients, timeline, ("backward", op, None))
         else:
-            recompute = self._segments(segmentation, forward, gradients, timeline, offloaded,
-                                       prefetch)
+            recompute, back = self._segments(segmentation, forward, gradients, timeline,
+                                             offloaded, prefetch)
+        out_bytes = sum(graph.size[t] for t in offloaded)
+        back_bytes = sum(graph.size[t] for t in back)
         peak, at = timeline.peak()
         return Prediction(
             peak_bytes=peak, resident_bytes=self._resident,
@@ -241,7 +257,10 @@ class MemoryModel:
                 graph.size[t] for t in segmentation.checkpoints),
             segments=0 if segmentation is None else len(segmentation.order),
             breakdown=timeline.live_at(at),
-            host_bytes=sum(graph.size[t] for t in offloaded))
+            host_bytes=out_bytes, moved_bytes=out_bytes + back_bytes,
+            transfer_flops=opinfo.transfer_flops(
+                out_bytes, back_bytes, len(offloaded) + len(back), self.forward_flops,
+                flops_per_byte) if offloaded else 0)
 
     def _forward(self, timeline):
         """Runs every forward op; returns the buffer of each tensor."""
@@ -279,11 +298,12 @@ class MemoryModel:
 
     def _segments(self, segmentation, forward, gradients, timeline, offloaded=frozenset(),
                   prefetch=1):
-        """Each segment: its recomputation, then its backward. Returns recompute FLOPs.
+        """Each segment: its recomputation, then its backward. Returns the recompute
+        FLOPs and the offloaded checkpoints copied back (once per segment reading one).
         An offloaded checkpoint a segment reads comes back into a buffer of its own from
         the start of the segment `prefetch` segments earlier (memsave.offload)."""
         graph, recompute = self.graph, 0
-        starts = []
+        starts, back = [], []
         for index, head in enumerate(segmentation.order):
             ops = segmentation.ops[head]
             executed = segmentation.executed(head)
@@ -291,6 +311,7 @@ class MemoryModel:
                 starts.append(timeline.step(("segment", None, index)))
             local = {}
             for tid in self._offloaded_reads(ops, executed, offloaded):
+                back.append(tid)
                 local[tid] = timeline.buffer(starts[max(index - prefetch, 0)], graph.size[tid],
                                              "offloaded back")
             recompute += opinfo.SEGMENT_OVERHEAD_FLOPS
@@ -312,7 +333,7 @@ class MemoryModel:
                 self._gradient_step(op, view, gradients, timeline, ("backward", op, index))
         for op in reversed(segmentation.final_ops):
             self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
-        return recompute
+        return recompute, back
 
     def _offloaded_reads(self, ops, executed, offloaded):
         """The offloaded checkpoints a segment's recomputation or backward reads."""

@@ -190,6 +190,29 @@ def flops(op):
 OP_OVERHEAD_FLOPS = 100_000
 SEGMENT_OVERHEAD_FLOPS = 5 * OP_OVERHEAD_FLOPS
 
+# A backward pass runs about twice the FLOPs of its forward pass (the gradients
+# with respect to an op's inputs and to its weights).
+BACKWARD_TO_FORWARD = 2
+
+
+def transfer_flops(out_bytes, back_bytes, copies, forward_flops, flops_per_byte):
+    """What host offload costs a step, in FLOPs of the device.
+
+    Transfers run beside the computation (a GPU's copy engines, one per direction),
+    so only the part of a transfer that outlasts the computation it overlaps slows
+    the step: the copies out overlap the forward pass, the copies back the backward
+    pass. Each copy also costs an op's overhead.
+
+    Args:
+      out_bytes, back_bytes: bytes moved to the host and back per step.
+      copies: how many copy ops move them.
+      forward_flops: the forward pass's cost (its backward's is BACKWARD_TO_FORWARD x).
+      flops_per_byte: the device's FLOP rate over the host link's bandwidth.
+    """
+    out = max(out_bytes * flops_per_byte - forward_flops, 0)
+    back = max(back_bytes * flops_per_byte - BACKWARD_TO_FORWARD * forward_flops, 0)
+    return int(out + back) + copies * OP_OVERHEAD_FLOPS
+
 
 def _einsum_flops(op, out_elements):
     """2 x the product of every distinct index's size (a contraction's multiply-adds)."""

@@ -12,13 +12,19 @@ by the one segment that reads them, so they never make a cut expensive.
   ties going to less recomputation.
 - `within_budget`: the least recomputation whose predicted peak fits a limit:
   those plans, each also with the outputs of expensive ops kept while they fit.
+  Where host offload is allowed (`Offloadable`), a plan that does not fit may
+  still fit with some of its checkpoints offloaded (earliest first: they wait
+  longest for their backward), and its cost is then recomputation plus transfers.
 
 On small regions the searches try every subset of the candidate tensors, so small
 graphs get the optimum of the model: up to EXACT_PEAK_LIMIT candidates for the
 lowest peak (which runs on every 'memory' call), up to EXACT_BUDGET_LIMIT for a
-budget (one model evaluation per subset: 2**14 of them take about a second).
+budget (one model evaluation per subset: 2**14 of them take about a second), and
+up to EXACT_OFFLOAD_LIMIT for a budget that may offload (each candidate dropped,
+kept or offloaded: 3**n plans).
 """
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -28,7 +34,21 @@ from memsave.planner.graph import REGION, RESIDENT, is_data
 EXACT_PEAK_LIMIT = 10
 PEAK_TIE = 0.005
 EXACT_BUDGET_LIMIT = 14
+EXACT_OFFLOAD_LIMIT = 8
 _GRID = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Offloadable:
+    """What a budget search may offload, and what offloading costs.
+
+    Attributes:
+      tensors: tensor ids that may be offloaded (memsave.offload.Offloader.may_offload).
+      prefetch, flops_per_byte: as memsave.Offload's.
+    """
+    tensors: frozenset
+    prefetch: int = 1
+    flops_per_byte: float = 1000.0
 
 
 class Candidates:
@@ -129,16 +149,56 @@ def _subsets(tensors):
             yield list(subset)
 
 
+def _subsets_with_offload(tensors, offloadable):
+    """(plan, offloaded) for every subset of `tensors` and every subset of its offloadable
+    members."""
+    for plan in _subsets(tensors):
+        movable = [t for t in plan if t in offloadable.tensors]
+        yield plan, []
+        for offloaded in _subsets(movable):
+            yield plan, offloaded
+
+
 class _Search:
     """Predictions of candidate plans, each simulated once."""
 
-    def __init__(self, model):
+    def __init__(self, model, offloadable=None):
         self.model = model
+        self.offloadable = offloadable if offloadable and offloadable.tensors else None
         self.candidates = Candidates(model.graph)
         self._cuts = {}   # segment bytes -> plan
 
-    def predict(self, plan):
-        return self.model.predict(plan)  # the model keeps every prediction it made
+    def predict(self, plan, offloaded=()):
+        if not offloaded:
+            return self.model.predict(plan)  # the model keeps every prediction it made
+        return self.model.predict(plan, offloaded, self.offloadable.prefetch,
+                                  self.offloadable.flops_per_byte)
+
+    def fit(self, plan, limit_bytes):
+        """(Prediction, plan, offloaded) of `plan` within `limit_bytes`: as it is, or with
+        the fewest of its checkpoints offloaded (earliest first), or None."""
+        prediction = self.predict(plan)
+        if prediction.peak_bytes <= limit_bytes:
+            return prediction, list(plan), []
+        movable = self.movable(plan)
+        if not movable or self.predict(plan, movable).peak_bytes > limit_bytes:
+            return None
+        low, high = 1, len(movable)  # the shortest prefix that fits (binary search)
+        while low < high:
+            middle = (low + high) // 2
+            if self.predict(plan, movable[:middle]).peak_bytes <= limit_bytes:
+                high = middle
+            else:
+                low = middle + 1
+        return self.predict(plan, movable[:low]), list(plan), movable[:low]
+
+    def movable(self, plan):
+        """The checkpoints of `plan` that may be offloaded, made earliest first."""
+        if self.offloadable is None:
+            return []
+        producer = self.model.graph.producer
+        return sorted((t for t in plan if t in self.offloadable.tensors),
+                      key=lambda t: producer[t])
 
     def cut_plan(self, segment_bytes):
         plan = self._cuts.get(segment_bytes)
@@ -161,6 +221,11 @@ class _Search:
             self._peak_of(size)
         return [plan for plan in (self.cut_plan(size) for size in sizes if size in self._cuts)
                 if plan]
+
+    def all_cut_plans(self):
+        """The greedy plans over every segment size of the range."""
+        plans = (self.cut_plan(size) for size in self.candidates.segment_sizes())
+        return [plan for plan in plans if plan]
 
     def _peak_of(self, size):
         plan = self.cut_plan(size)
@@ -185,13 +250,14 @@ class _Search:
 
     def with_expensive_outputs(self, plan, expensive, limit_bytes):
         """`plan` plus the longest prefix of `expensive` (best saving per byte first)
-        that keeps the predicted peak <= limit_bytes (binary search)."""
+        that keeps the predicted peak <= limit_bytes (binary search), offloading
+        where that is allowed and needed."""
         chosen = set(plan)
         extra = [t for t in expensive if t not in chosen]
         low, high = 0, len(extra)
         while low < high:
             middle = (low + high + 1) // 2
-            if self.predict(list(plan) + extra[:middle]).peak_bytes <= limit_bytes:
+            if self.fit(list(plan) + extra[:middle], limit_bytes) is not None:
                 low = middle
             else:
                 high = middle - 1
@@ -230,9 +296,9 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
     return search.best([best[1], plan], fits=lambda p: p.peak_bytes <= limit, by_cost=True)
 
 
-def within_budget(model, limit_bytes, expensive, exact=None, augmented=3):
-    """(Prediction, checkpoint ids) of the least recomputation with peak <= limit_bytes,
-    or None when no plan fits.
+def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloadable=None):
+    """The least costly plan with peak <= limit_bytes: (Prediction, checkpoint ids,
+    offloaded ids), or None when no plan fits.
 
     Args:
       model: the MemoryModel.
@@ -240,24 +306,53 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3):
       expensive: tensor ids worth keeping to save recomputation (outputs of
         matmuls and convolutions).
       exact: try every subset (default: when there are few candidates).
-      augmented: how many of the fitting cut plans (least recomputation first) are
-        tried with expensive outputs added.
+      augmented: how many of the fitting cut plans (least cost first) are tried with
+        expensive outputs added.
+      offloadable: an Offloadable, where checkpoints may be offloaded instead of
+        recomputed (the cost is then recomputation plus transfers).
     """
-    search = _Search(model)
+    search = _Search(model, offloadable)
+    n_candidates = len(search.candidates.tensors)
     if exact is None:
-        exact = len(search.candidates.tensors) <= EXACT_BUDGET_LIMIT
-
-    def fits(prediction):
-        return prediction.peak_bytes <= limit_bytes
-
+        exact = n_candidates <= (EXACT_BUDGET_LIMIT if search.offloadable is None
+                                 else EXACT_OFFLOAD_LIMIT)
     if exact:
-        return search.best(_subsets(search.candidates.tensors), fits, by_cost=True)
-    plans = [plan for plan in search.cut_plans() if fits(search.predict(plan))]
-    plans.sort(key=lambda plan: search.predict(plan).recompute_flops)
+        plans = (_subsets_with_offload(search.candidates.tensors, search.offloadable)
+                 if search.offloadable else ((plan, []) for plan in _subsets(search.candidates.tensors)))
+        found = ((search.predict(plan, offloaded), plan, offloaded) for plan, offloaded in plans)
+        return _cheapest(f for f in found if f[0].peak_bytes <= limit_bytes)
+    # With offload, every segment size: fine cuts whose checkpoints wait on the host
+    # reach peaks that no plan without offload reaches.
+    plans = search.cut_plans() if search.offloadable is None else search.all_cut_plans()
+    found = [f for f in (search.fit(plan, limit_bytes) for plan in plans) if f is not None]
     ranked = _ranked(model.graph, expensive)
-    if ranked:
+    if ranked and found:
         # The plan with the most headroom may take the most expensive outputs.
-        roomiest = min(plans, key=lambda plan: search.predict(plan).peak_bytes, default=None)
-        tried = plans[:augmented] + ([roomiest] if roomiest is not None else [])
-        plans += [search.with_expensive_outputs(plan, ranked, limit_bytes) for plan in tried]
-    return search.best(plans, fits, by_cost=True)
+        found.sort(key=lambda f: f[0].cost_flops)
+        roomiest = min(found, key=lambda f: f[0].peak_bytes)
+        for _, plan, _ in found[:augmented] + [roomiest]:
+            fitted = search.fit(search.with_expensive_outputs(plan, ranked, limit_bytes),
+                                limit_bytes)
+            if fitted is not None:
+                found.append(fitted)
+    if search.offloadable is not None:  # never costlier than the plan without offload
+        found.append(within_budget(model, limit_bytes, expensive, exact, augmented))
+    return _cheapest(f for f in found if f is not None)
+
+
+def _cheapest(found):
+    """The (Prediction, plan, offloaded) of least cost (then lowest peak), or None."""
+    return min(found, key=lambda f: (f[0].cost_flops, f[0].peak_bytes), default=None)
+
+
+def lowest_reachable_peak(model, offloadable=None):
+    """The lowest peak memsave finds on this step (with every movable checkpoint of the
+    lowest-peak plan offloaded, where offload is allowed); None if nothing can be kept."""
+    best = minimise_peak(model)
+    if best is None:
+        return None
+    search = _Search(model, offloadable)
+    if search.offloadable is None:
+        return best[0].peak_bytes
+    return min([best[0].peak_bytes] + [search.predict(plan, search.movable(plan)).peak_bytes
+                                       for plan in search.all_cut_plans() + [best[1]]])

@@ -2,7 +2,7 @@
 
 A strategy is a callable `strategy(region) -> list[Choice]`: given the forward
 region (memsave.region.ForwardRegion) it names the tensors to keep, each with
-the reason it was kept. Simple strategies are tensor predicates turned into
+the reason it was kept (and, for a planner, whether to offload it). Simple strategies are tensor predicates turned into
 strategies by `keep_if`; `union` combines any number of strategies.
 """
 
@@ -10,7 +10,9 @@ import collections
 
 from memsave.graph.select import TensorSet
 
-Choice = collections.namedtuple("Choice", ["tensor", "reason"])
+# offload: None where the call's `offload=` decides (every checkpoint large enough),
+# True/False where a planner decided (memsave.budget(..., offload=...)).
+Choice = collections.namedtuple("Choice", ["tensor", "reason", "offload"], defaults=[None])
 
 
 def keep_if(predicate, reason):

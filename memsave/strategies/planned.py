@@ -3,11 +3,14 @@
 - `lowest_peak()` ('memory'): the checkpoints that minimise the step's predicted
   peak, ties going to less recomputation;
 - `budget(limit)`: the least recomputation whose predicted peak fits in `limit`
-  bytes (an int) or in that fraction of plain tf.gradients' predicted peak.
+  bytes (an int) or in that fraction of plain tf.gradients' predicted peak; with
+  `offload=`, large checkpoints may go to host memory instead of being
+  recomputed, where the transfer costs less.
 """
 
 import numbers
 
+from memsave import offload as offload_lib
 from memsave import planner
 from memsave.errors import MemsaveError
 from memsave.planner import search
@@ -21,9 +24,14 @@ def _mb(n):
     return f"{n / 2**20:.3g} MB"
 
 
-def _choices(model, plan, reason):
+def _choices(model, plan, reason, offloaded=None):
+    """Choices of the tensor ids in `plan`; `offloaded`: the ids a planner chose to
+    offload (None: it decided nothing about offload)."""
     graph = model.graph
-    return [Choice(graph.tensors[t], reason) for t in plan]
+    if offloaded is None:
+        return [Choice(graph.tensors[t], reason) for t in plan]
+    offloaded = set(offloaded)
+    return [Choice(graph.tensors[t], reason, t in offloaded) for t in plan]
 
 
 def _expensive_outputs(graph):
@@ -64,13 +72,19 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         predicted peak for the same step.
       unknown_dim_size: the size the memory model assumes for unknown dimensions
         (e.g. the batch of a [None, ...] placeholder); default 1.
+      offload: as `memsave.gradients`' `offload=` (False, True, a device string or
+        memsave.Offload): checkpoints may then wait in host memory instead of being
+        recomputed; the plan offloads those whose transfer costs less than the
+        recomputation keeping them saves (Offload.flops_per_byte). The call's own
+        `offload=` works the same way (give it in one place, or the same in both).
     Raises:
-      MemsaveError: for a bad limit (here), and, when the gradients are built,
-        for a limit that no plan meets (naming the smallest reachable peak).
+      MemsaveError: for a bad limit or offload (here), and, when the gradients are
+        built, for a limit that no plan meets (naming the smallest reachable peak).
     """
 
-    def __init__(self, limit, unknown_dim_size=None):
+    def __init__(self, limit, unknown_dim_size=None, offload=False):
         self.unknown_dim_size = planner.check_unknown_dim_size(unknown_dim_size)
+        self.offload = offload_lib.normalise(offload)
         if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
             raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int, e.g. 512 * 2**20) "
                                "or a fraction in (0, 1] of tf.gradients' peak (e.g. 0.5)")
@@ -84,7 +98,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         self.__name__ = f"budget({self.limit!r})"
 
     def __repr__(self):
-        return f"memsave.budget({self.limit!r})"
+        offload = f", offload={self.offload!r}" if self.offload else ""
+        return f"memsave.budget({self.limit!r}{offload})"
 
     def limit_bytes(self, model):
         if isinstance(self.limit, float):
@@ -101,15 +116,30 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
             region.cache[PLAIN] = (f"tf.gradients' predicted peak {_mb(baseline.peak_bytes)} "
                                    f"fits the budget of {_mb(limit)}: nothing to recompute")
             return []
-        best = search.within_budget(model, limit, _expensive_outputs(model.graph))
+        offloadable = _offloadable(model, region)
+        best = search.within_budget(model, limit, _expensive_outputs(model.graph),
+                                    offloadable=offloadable)
         if best is None:
-            lowest = search.minimise_peak(model)
-            reachable = lowest[0].peak_bytes if lowest else baseline.peak_bytes
+            reachable = search.lowest_reachable_peak(model, offloadable)
+            reachable = baseline.peak_bytes if reachable is None else reachable
+            hint = "" if offloadable else " or use checkpoints='memory'"
             raise MemsaveError(
                 f"the budget of {_mb(limit)} cannot be met: the smallest predicted peak memsave "
-                f"can reach on this graph is {_mb(reachable)} (tf.gradients: "
-                f"{_mb(baseline.peak_bytes)}); raise the budget to at least {_mb(reachable)} or "
-                "use checkpoints='memory'")
-        prediction, plan = best
+                f"can reach on this graph{' with offload' if offloadable else ''} is "
+                f"{_mb(reachable)} (tf.gradients: {_mb(baseline.peak_bytes)}); raise the budget "
+                f"to at least {_mb(reachable)}{hint}")
+        prediction, plan, offloaded = best
         return _choices(model, plan, f"within budget {_mb(limit)} (predicted peak "
-                                     f"{_mb(prediction.peak_bytes)})")
+                                     f"{_mb(prediction.peak_bytes)})",
+                        offloaded if offloadable else None)
+
+
+def _offloadable(model, region):
+    """What the call may offload (memsave.search.Offloadable), or None."""
+    offloader = region.cache.get(offload_lib.OFFLOADER)
+    if offloader is None or not offloader.enabled:
+        return None
+    graph, options = model.graph, offloader.options
+    tensors = frozenset(t for t in search.Candidates(graph).tensors
+                        if offloader.may_offload(graph.tensors[t]))
+    return search.Offloadable(tensors, options.prefetch, options.flops_per_byte)
