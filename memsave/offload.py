@@ -23,7 +23,7 @@ Which checkpoints are offloaded: with a checkpoint list or a strategy, every
 checkpoint of at least `min_bytes` on another device than the host; with
 `memsave.budget(limit, offload=...)`, the ones the planner chose, where moving
 them costs less than recomputing what keeping them saves (the transfer cost is
-`Offload.flops_per_byte`; memsave.planner.opinfo.transfer_flops).
+`Offload.flops_per_byte`; memsave.planner.costs.transfer_flops).
 
 Under XLA, device placement inside the compiled cluster is ignored, so nothing
 is offloaded there (with a MemsaveWarning).

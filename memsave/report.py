@@ -57,7 +57,7 @@ class RewriteReport:
     `predicted_host_bytes` what the offloaded checkpoints hold in host memory (the
     predicted peak is the device's, without them between their forward readers and
     their copies back), and `transfer_flops` what the model says the transfers cost
-    (memsave.planner.opinfo.transfer_flops). `memsave.plan` predicts the moved bytes
+    (memsave.planner.costs.transfer_flops). `memsave.plan` predicts the moved bytes
     and leaves `offloaded` empty; each checkpoint's `offloaded` says what it plans.
     """
     strategy: str

@@ -247,7 +247,7 @@ def test_budget_offloads_only_where_transfers_cost_less_than_recomputation(flops
     assert not _planned_offload(kept_only) and kept_only.recompute_flops > 0
     if flops_per_byte == 0:  # free transfers: keep (nearly) everything, offload the rest
         assert _planned_offload(report)
-        assert report.recompute_flops < kept_only.recompute_flops / 10
+        assert report.recompute_flops < kept_only.recompute_flops / 5
         assert report.predicted_host_bytes > 0 and report.offload_moved_bytes > 0
     else:  # transfers dearer than any recomputation: the plan without offload
         assert not _planned_offload(report) and report.transfer_flops == 0

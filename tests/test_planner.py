@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import memsave
 from memsave import planner
-from memsave.planner import opinfo, search
+from memsave.planner import costs, opinfo, search
 from memsave.region import ForwardRegion
 
 S = 256 * 256 * 4  # bytes of one [256, 256] float32 activation
@@ -58,9 +58,11 @@ def test_rewritten_peak_of_a_chain_with_one_checkpoint():
     assert prediction.checkpoint_bytes == S
     # Every tanh once, each with its dispatch overhead, and two segments' overheads;
     # the sum's copy is pruned (nothing reads its output).
-    assert prediction.recompute_flops == (8 * (256 * 256 + opinfo.OP_OVERHEAD_FLOPS)
-                                          + 2 * opinfo.SEGMENT_OVERHEAD_FLOPS)
-    assert prediction.forward_flops == 8 * 256 * 256 + 1 + 9 * opinfo.OP_OVERHEAD_FLOPS
+    price = costs.DEFAULT_COSTS
+    assert prediction.recompute_flops == int(8 * (256 * 256 * price.per_element + price.op_overhead)
+                                             + 2 * price.segment_overhead)
+    assert prediction.forward_flops == int(8 * 256 * 256 * price.per_element + price.per_element
+                                           + 9 * price.op_overhead)
 
 
 def test_buffers_shared_by_reshapes_cost_nothing():
@@ -202,12 +204,13 @@ def test_budget_plan_with_offload_on_a_chain_is_optimal(seed, flops_per_byte, of
 
 
 def test_transfer_cost_counts_what_outlasts_the_computation_it_overlaps():
-    overhead = opinfo.OP_OVERHEAD_FLOPS
+    overhead = 10**5
     # 1 MB out at 1000 FLOP/byte = 1e9 FLOPs against a 4e8 forward pass: 6e8 show; the
     # same back against a 8e8 backward pass: 2e8 show; three copies.
-    assert opinfo.transfer_flops(10**6, 10**6, 3, 4 * 10**8, 1000) == 8 * 10**8 + 3 * overhead
+    assert costs.transfer_flops(10**6, 10**6, 3, 4 * 10**8, 1000, overhead) == (
+        8 * 10**8 + 3 * overhead)
     # Hidden by the computation: only the copies' overhead.
-    assert opinfo.transfer_flops(10**6, 2 * 10**6, 3, 4 * 10**9, 1000) == 3 * overhead
+    assert costs.transfer_flops(10**6, 2 * 10**6, 3, 4 * 10**9, 1000, overhead) == 3 * overhead
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -2,7 +2,8 @@
 searches that choose checkpoints with them.
 
 - graph.py:    the step compiled to integer lists (StepGraph);
-- opinfo.py:   per op type, what its gradient reads and what it costs;
+- opinfo.py:   per op type, what its gradient reads, and its FLOPs;
+- costs.py:    what running an op again costs on this machine (calibrate());
 - segments.py: which segment recomputes which op (shared by the rewrite);
 - memory.py:   the simulated peak of the plain and the rewritten step;
 - search.py:   the plans with the lowest predicted peak, or the least recomputation
@@ -10,6 +11,7 @@ searches that choose checkpoints with them.
 """
 
 from memsave.errors import MemsaveError
+from memsave.planner.costs import Costs, calibrate
 from memsave.planner.graph import StepGraph
 from memsave.planner.memory import MemoryModel, Prediction
 from memsave.planner.segments import Segmentation
@@ -47,4 +49,4 @@ def model_of(region):
 
 
 __all__ = ["StepGraph", "MemoryModel", "Prediction", "Segmentation", "model_of",
-           "check_unknown_dim_size"]
+           "check_unknown_dim_size", "Costs", "calibrate"]

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from memsave.graph import _tf_private
 from memsave.graph.select import get_backward_walk_ops
-from memsave.planner import opinfo
+from memsave.planner import costs, opinfo
 from memsave.region import estimated_bytes
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ class StepGraph:
         (output-sized products reduced to a broadcast input's size, kernel workspaces).
       rewrite_grad_temporaries: op -> the same in memsave's rewrite, where it differs
         (convolution gradients that the rewrite runs one after the other).
-      cost: per op, estimated FLOPs of running it once.
+      cost: per op, what running it once costs (memsave.planner.costs: FLOPs of the
+        machine's matmuls/convolutions), without the per-op overhead.
+      costs: the Costs those come from (the one active when the step was built).
       is_x, is_y: per tensor, booleans.
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
@@ -66,6 +68,7 @@ class StepGraph:
         self.unknown_dim_size = 1
         self.conv_threads = 0
         self.rewrite_grad_temporaries = {}
+        self.costs = costs.active()
 
     @classmethod
     def build(cls, region, unknown_dim_size=1):
@@ -111,7 +114,7 @@ class StepGraph:
         self.grad_reads.append([])
         self.grad_inputs.append([])
         self.grad_temporaries.append(0)
-        self.cost.append(opinfo.flops(op) if kind == REGION else 0)
+        self.cost.append(self.costs.of(op) if kind == REGION else 0)
 
     def _link(self, region):
         for x in region.xs:

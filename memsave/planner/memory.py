@@ -30,7 +30,7 @@ import dataclasses
 from typing import Optional
 
 from memsave.offload import DEFAULT_FLOPS_PER_BYTE
-from memsave.planner import opinfo
+from memsave.planner import costs, opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
 from memsave.planner.segments import Segmentation
 
@@ -46,7 +46,7 @@ class Prediction:
       resident_bytes: bytes alive before the step starts (inputs, variables).
       peak_at: where the peak happens, e.g. "backward of segment 3 of 9, gradient of conv2d_7".
       recompute_flops: estimated cost of the recomputed copies, in FLOPs, with each
-        copy's and each segment's overhead counted as FLOPs (memsave.planner.opinfo).
+        copy's and each segment's overhead counted as FLOPs (memsave.planner.costs).
       forward_flops: the same estimate for one forward pass of the region, for scale.
       checkpoint_bytes: bytes of the checkpoints kept.
       segments: number of recomputed segments.
@@ -56,7 +56,7 @@ class Prediction:
         peak_bytes, which is the device's).
       moved_bytes: bytes copied to the host and back per step.
       transfer_flops: what those copies cost the step, in FLOPs
-        (memsave.planner.opinfo.transfer_flops).
+        (memsave.planner.costs.transfer_flops).
     """
     peak_bytes: int
     resident_bytes: int
@@ -191,8 +191,8 @@ class MemoryModel:
     def __init__(self, graph):
         self.graph = graph
         self.path_ops = [i for i, k in enumerate(graph.kind) if k in (REGION, KEPT)]
-        self.forward_flops = sum(graph.cost[op] + opinfo.OP_OVERHEAD_FLOPS
-                                 for op in graph.region_op_ids())
+        self.forward_flops = int(sum(graph.cost[op] + graph.costs.op_overhead
+                                     for op in graph.region_op_ids()))
         self._baseline = None
         self._predictions = {}
         self._expected = _contribution_counts(graph)
@@ -252,15 +252,15 @@ class MemoryModel:
         return Prediction(
             peak_bytes=peak, resident_bytes=self._resident,
             peak_at=self.describe(timeline.labels[at], segmentation),
-            recompute_flops=recompute, forward_flops=self.forward_flops,
+            recompute_flops=int(recompute), forward_flops=self.forward_flops,
             checkpoint_bytes=0 if segmentation is None else sum(
                 graph.size[t] for t in segmentation.checkpoints),
             segments=0 if segmentation is None else len(segmentation.order),
             breakdown=timeline.live_at(at),
             host_bytes=out_bytes, moved_bytes=out_bytes + back_bytes,
-            transfer_flops=opinfo.transfer_flops(
+            transfer_flops=costs.transfer_flops(
                 out_bytes, back_bytes, len(offloaded) + len(back), self.forward_flops,
-                flops_per_byte) if offloaded else 0)
+                flops_per_byte, graph.costs.op_overhead) if offloaded else 0)
 
     def _forward(self, timeline):
         """Runs every forward op; returns the buffer of each tensor."""
@@ -314,11 +314,11 @@ class MemoryModel:
                 back.append(tid)
                 local[tid] = timeline.buffer(starts[max(index - prefetch, 0)], graph.size[tid],
                                              "offloaded back")
-            recompute += opinfo.SEGMENT_OVERHEAD_FLOPS
+            recompute += graph.costs.segment_overhead
             for op in ops:
                 if op not in executed:
                     continue
-                recompute += graph.cost[op] + opinfo.OP_OVERHEAD_FLOPS
+                recompute += graph.cost[op] + graph.costs.op_overhead
                 step = timeline.step(("recompute", op, index))
                 for tid in graph.inputs[op]:
                     timeline.use(local.get(tid, forward[tid]), step)

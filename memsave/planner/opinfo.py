@@ -72,8 +72,8 @@ ALIAS_OP_TYPES = frozenset([
 
 # Ops whose cost is dominated by multiply-adds; everything else costs one unit per
 # output element (elementwise, batch norm, reductions, data movement).
-_MATMUL_LIKE = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
-_CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"])
+MATMUL_LIKE = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
+CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,20 +156,25 @@ def _elements(shape):
     return int(np.prod(dims, dtype=np.int64)) if dims else 1
 
 
+def output_elements(op):
+    """Elements of `op`'s outputs (unknown dimensions count as 1)."""
+    return sum(_elements(t.shape.as_list()) for t in op.outputs if t.shape.rank is not None)
+
+
 def flops(op):
     """Estimated cost of running `op` once, in floating-point operations.
 
     Matmuls and convolutions count 2 per multiply-add; other ops one per output
-    element. Unknown dimensions count as 1.
+    element (memsave.planner.costs prices those by the machine). Unknown
+    dimensions count as 1.
     """
-    outputs = [t.shape for t in op.outputs if t.shape.rank is not None]
-    out_elements = sum(_elements(s.as_list()) for s in outputs)
-    if op.type in _MATMUL_LIKE and op.inputs and op.inputs[0].shape.rank:
+    out_elements = output_elements(op)
+    if op.type in MATMUL_LIKE and op.inputs and op.inputs[0].shape.rank:
         a = op.inputs[0].shape.as_list()
         transpose_a = _attr(op, "transpose_a") or _attr(op, "adj_x")
         inner = a[-2] if transpose_a else a[-1]
         return 2 * out_elements * (inner or 1)
-    if op.type in _CONV_LIKE and len(op.inputs) > 1 and op.inputs[1].shape.rank:
+    if op.type in CONV_LIKE and len(op.inputs) > 1 and op.inputs[1].shape.rank:
         kernel = op.inputs[1].shape.as_list()
         if op.type == "DepthwiseConv2dNative":
             window = _elements(kernel[:-2])
@@ -181,37 +186,6 @@ def flops(op):
     if op.type == "Einsum":
         return _einsum_flops(op, out_elements)
     return out_elements
-
-
-# Running an op costs more than its arithmetic: the executor's dispatch, a kernel
-# launch, an allocation. Counted as this many FLOPs per op run (about 10 us at the
-# ~10 GFLOP/s a CPU core sustains on small kernels), and a segment's own machinery
-# (its boundary identities, gradient bookkeeping, control edges) as a few ops more.
-OP_OVERHEAD_FLOPS = 100_000
-SEGMENT_OVERHEAD_FLOPS = 5 * OP_OVERHEAD_FLOPS
-
-# A backward pass runs about twice the FLOPs of its forward pass (the gradients
-# with respect to an op's inputs and to its weights).
-BACKWARD_TO_FORWARD = 2
-
-
-def transfer_flops(out_bytes, back_bytes, copies, forward_flops, flops_per_byte):
-    """What host offload costs a step, in FLOPs of the device.
-
-    Transfers run beside the computation (a GPU's copy engines, one per direction),
-    so only the part of a transfer that outlasts the computation it overlaps slows
-    the step: the copies out overlap the forward pass, the copies back the backward
-    pass. Each copy also costs an op's overhead.
-
-    Args:
-      out_bytes, back_bytes: bytes moved to the host and back per step.
-      copies: how many copy ops move them.
-      forward_flops: the forward pass's cost (its backward's is BACKWARD_TO_FORWARD x).
-      flops_per_byte: the device's FLOP rate over the host link's bandwidth.
-    """
-    out = max(out_bytes * flops_per_byte - forward_flops, 0)
-    back = max(back_bytes * flops_per_byte - BACKWARD_TO_FORWARD * forward_flops, 0)
-    return int(out + back) + copies * OP_OVERHEAD_FLOPS
 
 
 def _einsum_flops(op, out_elements):

@@ -1,0 +1,81 @@
+"""The cost model (memsave.planner.costs): prices per op class, the switch that
+selects a Costs, and the calibration measured on this machine."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave import planner
+from memsave.planner import costs, opinfo
+from memsave.region import ForwardRegion
+
+
+def _conv_bn_relu():
+    """One conv -> batch norm -> relu -> sum, in a v1 graph; returns (loss, ops by type)."""
+    x = tf.constant(np.ones([8, 16, 16, 4], np.float32))
+    w = tf.constant(np.ones([3, 3, 4, 8], np.float32))
+    y = tf.nn.conv2d(x, w, 1, "SAME")
+    y, _, _ = tf.compat.v1.nn.fused_batch_norm(y, tf.ones([8]), tf.zeros([8]), is_training=True)
+    loss = tf.reduce_sum(tf.nn.relu(y))
+    ops = {op.type: op for op in tf.compat.v1.get_default_graph().get_operations()}
+    return loss, x, ops
+
+
+def test_heavy_ops_cost_their_flops_others_their_elements_at_the_machines_price():
+    price = costs.Costs(per_element=30.0, per_normalised_element=70.0)
+    with tf.Graph().as_default():
+        _, _, ops = _conv_bn_relu()
+    elements = 8 * 16 * 16 * 8
+    assert price.of(ops["Conv2D"]) == opinfo.flops(ops["Conv2D"]) == 2 * elements * 3 * 3 * 4
+    assert price.of(ops["Relu"]) == 30 * elements
+    # The batch norm's outputs: the normalised tensor and four [8] statistics.
+    assert price.of(ops["FusedBatchNormV3"]) == 70 * (elements + 4 * 8)
+
+
+def test_use_selects_the_costs_a_model_is_built_with_and_restores_on_exit():
+    dear = costs.Costs(per_element=1000.0, op_overhead=0, segment_overhead=0)
+    assert costs.active() is costs.DEFAULT_COSTS
+    with tf.Graph().as_default():
+        loss, x, ops = _conv_bn_relu()
+        with costs.use(dear):
+            assert costs.active() is dear
+            model = planner.model_of(ForwardRegion.build([loss], [x]))
+        assert costs.active() is costs.DEFAULT_COSTS
+        default = planner.MemoryModel(planner.StepGraph.build(ForwardRegion.build([loss], [x])))
+    relu = model.graph.op_id[ops["Relu"]]
+    assert model.graph.cost[relu] == 1000 * 8 * 16 * 16 * 8
+    assert default.graph.cost[relu] == int(costs.DEFAULT_COSTS.per_element * 8 * 16 * 16 * 8)
+    with pytest.raises(memsave.MemsaveError, match="use\\(\\) takes a memsave.planner.Costs"):
+        with costs.use({"per_element": 3}):
+            pass
+    with pytest.raises(memsave.MemsaveError, match="Costs.per_element is -1"):
+        costs.Costs(per_element=-1)
+
+
+def test_the_price_of_a_segment_decides_how_many_segments_a_budget_makes():
+    """In a chain of tanh every plan recomputes every tanh once (each segment from its
+    checkpoint), so what separates plans within a budget is their segments: free
+    segments let the budget take the lowest peak, dear ones the fewest segments."""
+    def plan(segment_overhead):
+        with tf.Graph().as_default():
+            with costs.use(costs.Costs(per_element=35.0, segment_overhead=segment_overhead)):
+                x = tf.constant(np.ones([256, 256], np.float32))
+                h = x
+                for _ in range(48):
+                    h = tf.tanh(h)
+                return memsave.plan(tf.reduce_sum(h), [x], checkpoints=memsave.budget(0.7))
+    free, dear = plan(0.0), plan(1e9)
+    assert dear.predicted_peak_bytes <= 0.7 * dear.baseline_peak_bytes
+    assert len(dear.checkpoints) < len(free.checkpoints)
+    assert free.predicted_peak_bytes < dear.predicted_peak_bytes
+
+
+def test_calibration_measures_memory_bound_ops_dearer_than_their_flops():
+    measured = costs.calibrate(repeats=3, source="test")
+    # On any CPU, an elementwise op over data from memory takes longer than one FLOP of a
+    # convolution per element, and a training batch norm (several passes) longer still.
+    assert measured.per_element > 2
+    assert measured.per_normalised_element > measured.per_element
+    assert measured.op_overhead > 0 and measured.segment_overhead > measured.op_overhead
+    assert measured.source == "test"
