@@ -269,6 +269,9 @@ def test_budget_with_offload_reaches_peaks_recomputation_alone_cannot():
         with pytest.raises(memsave.MemsaveError, match=r"can reach on this graph with offload "
                                                        r"is 19(\.\d+)? MB"):
             memsave.plan(loss, weights, checkpoints=memsave.budget(0.4, offload="/CPU:1"))
+        # The integrations take the budget as it is, offload included.
+        memsave.gradient_function(budget)(loss, weights)
+        through_function = memsave.last_report()
     assert planned.predicted_peak_bytes <= 0.5 * planned.baseline_peak_bytes
     assert built.predicted_peak_bytes == planned.predicted_peak_bytes
     # The rewrite offloads exactly what the plan chose, each copied out once.
@@ -277,6 +280,7 @@ def test_budget_with_offload_reaches_peaks_recomputation_alone_cannot():
     assert sorted(set(built.offloaded)) == sorted(chosen)
     assert sorted(op.inputs[0].name for op in copies_out) == sorted(chosen)
     assert built.offload_moved_bytes == planned.offload_moved_bytes
+    assert _planned_offload(through_function) == chosen
 
 
 def test_offload_given_to_the_budget_and_the_call_must_agree():
