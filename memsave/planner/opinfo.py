@@ -63,6 +63,9 @@ _BROADCAST_TEMPORARIES = {
 # Gradients that broadcast the incoming gradient to the input's size and then
 # scale it (Mean: a Tile, then a division): one input-sized temporary.
 _TILE_TEMPORARIES = frozenset(["Mean"])
+# Gradients that make output-sized temporaries whatever the shapes: how many.
+# SquaredDifference: 2 * grad and x - y, before their product (the result).
+_ALWAYS_TEMPORARIES = {"SquaredDifference": 2}
 
 # Outputs that share the buffer of input 0 (no new memory) when the kernel runs.
 ALIAS_OP_TYPES = frozenset([
@@ -70,8 +73,8 @@ ALIAS_OP_TYPES = frozenset([
     "EnsureShape", "CheckNumerics", "PreventGradient", "ReadVariableOp",
 ])
 
-# Ops whose cost is dominated by multiply-adds; everything else costs one unit per
-# output element (elementwise, batch norm, reductions, data movement).
+# Ops whose cost is dominated by multiply-adds (FLOPs); everything else is priced
+# per output element (memsave.planner.costs).
 MATMUL_LIKE = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
 CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"])
 
@@ -102,12 +105,14 @@ def gradient_temporaries(op_type, input_bytes, output_bytes, differentiated):
       output_bytes: bytes of output 0.
       differentiated: indices of the inputs that receive a gradient.
     """
+    always = _ALWAYS_TEMPORARIES.get(op_type, 0) * output_bytes if differentiated else 0
     factor = _BROADCAST_TEMPORARIES.get(op_type)
     if factor:
-        return sum(factor * output_bytes for i in differentiated if input_bytes[i] < output_bytes)
+        return always + sum(factor * output_bytes for i in differentiated
+                            if input_bytes[i] < output_bytes)
     if op_type in _TILE_TEMPORARIES and 0 in differentiated:
         return input_bytes[0]
-    return 0
+    return always
 
 
 # TensorFlow's own CPU kernels for the gradients of Conv2D (used when oneDNN is off)
