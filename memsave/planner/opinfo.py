@@ -63,9 +63,6 @@ _BROADCAST_TEMPORARIES = {
 # Gradients that broadcast the incoming gradient to the input's size and then
 # scale it (Mean: a Tile, then a division): one input-sized temporary.
 _TILE_TEMPORARIES = frozenset(["Mean"])
-# Gradients that make output-sized temporaries whatever the shapes: how many.
-# SquaredDifference: 2 * grad and x - y, before their product (the result).
-_ALWAYS_TEMPORARIES = {"SquaredDifference": 2}
 
 # Outputs that share the buffer of input 0 (no new memory) when the kernel runs.
 ALIAS_OP_TYPES = frozenset([
@@ -105,14 +102,12 @@ def gradient_temporaries(op_type, input_bytes, output_bytes, differentiated):
       output_bytes: bytes of output 0.
       differentiated: indices of the inputs that receive a gradient.
     """
-    always = _ALWAYS_TEMPORARIES.get(op_type, 0) * output_bytes if differentiated else 0
     factor = _BROADCAST_TEMPORARIES.get(op_type)
     if factor:
-        return always + sum(factor * output_bytes for i in differentiated
-                            if input_bytes[i] < output_bytes)
+        return sum(factor * output_bytes for i in differentiated if input_bytes[i] < output_bytes)
     if op_type in _TILE_TEMPORARIES and 0 in differentiated:
         return input_bytes[0]
-    return always
+    return 0
 
 
 # TensorFlow's own CPU kernels for the gradients of Conv2D (used when oneDNN is off)
