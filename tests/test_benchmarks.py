@@ -18,7 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import bench_rewrite_time, compare, models  # noqa: E402
+from benchmarks import bench_rewrite_time, compare, models, peak_breakdown  # noqa: E402
+from memsave import measure  # noqa: E402
 
 TINY = {
     "cnn": {"depth": 2, "batch": 2, "image_size": 8},
@@ -114,6 +115,21 @@ def test_jit_notes_give_hlo_ops_and_xla_buffers(capsys):
     printed = _small_compare(capsys, "--jit")
     notes = [line for line in printed.splitlines() if "optimized HLO" in line]
     assert len(notes) == 2 and all("XLA buffers" in line for line in notes), printed
+
+
+def test_peak_breakdown_accounts_for_every_byte_alive_at_the_measured_peak():
+    small = {k: v for k, v in TINY["cnn"].items() if k != "image_size"}
+    result = measure.run_isolated(
+        peak_breakdown.CHILD_TARGET, env={"MEMSAVE_ALWAYS_REWRITE": "1"}, timeout=300,
+        model="cnn", strategy="memory", model_options={"image_size": 8}, top=5, **small)
+    by_kind = result["by_kind"]
+    assert sum(by_kind.values()) == result["records_peak"] > 0
+    # The rewrite's copies and the returned gradients are told apart from the rest.
+    assert by_kind.get("recomputed", 0) > 0 and by_kind.get("grads of xs", 0) > 0, by_kind
+    assert result["bfc_peak"] >= result["records_peak"]
+    assert len(result["largest"]) == 5 and result["predicted"] > 0
+    printed = peak_breakdown.format_breakdown(result)
+    assert "memory model:" in printed and "grads of xs" in printed
 
 
 def test_budget_sweep_runs_budgets_down_to_an_infeasible_one(tmp_path, capsys):

@@ -1,0 +1,176 @@
+"""What is alive at the measured peak of one training step, next to the memory model's view.
+
+    python benchmarks/peak_breakdown.py --model keras --app ResNet50 --image-size 96 --strategy memory
+    python benchmarks/peak_breakdown.py --model cnn --strategy tf.gradients --top 10
+
+Where the measured peak and the model disagree, this says why. The step runs in its
+own process (`memsave.measure.run_isolated`, BFC allocator on) as a tf.compat.v1
+Session, traced once with `FULL_TRACE`: TensorFlow then records every allocation
+and deallocation of the step with the op that made it and the size of the
+allocator's chunk (which may be larger than the tensor: BFC does not split a free
+chunk for a request of more than half its size). Replaying those records gives the
+bytes alive at every moment; at the largest moment, this prints them by kind:
+
+  forward     tensors of the forward pass (checkpoints, and what is not recomputed);
+  recomputed  the rewrite's copies (ops memsave added under a `recompute` name scope);
+  gradients   every other op the gradients call added, and within them
+  grads of xs the returned gradients' buffers;
+
+plus the weights (resident before the step: the model's `resident_bytes`), the BFC
+allocator's own peak for the process, and the memory model's prediction for the same
+plan (peak, where, and its breakdown). A kind may hold buffers forwarded from another
+(an elementwise op writes into its input's buffer when nobody else reads it): the
+record names the op that allocated it.
+"""
+
+import argparse
+import collections
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from memsave import measure  # noqa: E402
+
+CHILD_TARGET = "benchmarks.peak_breakdown:measure_breakdown"
+BASELINE = "tf.gradients"
+MB = 2**20
+
+
+def _gradients(loss, variables, strategy):
+    import memsave
+    import tensorflow as tf
+
+    if strategy == BASELINE:
+        return tf.gradients(loss, variables), memsave.plan(loss, variables, "memory")
+    return memsave.gradients(loss, variables, checkpoints=strategy), memsave.last_report()
+
+
+def _kind(name, forward_names, gradient_names):
+    """The kind of buffer op `name` allocates. memsave names its copies
+    `.../recompute/<original name>`; their gradients sit under a `gradients` scope
+    before that."""
+    if name in forward_names:
+        return "forward"
+    if name in gradient_names:
+        return "grads of xs"
+    scope, recompute, _ = name.partition("/recompute/")
+    if recompute and "gradients" not in scope.split("/"):
+        return "recomputed"
+    return "gradients"
+
+
+def _allocations(run_metadata):
+    """(time, bytes, op name) of every allocation (+) and deallocation (-) of the step."""
+    events = []
+    for device in run_metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            for memory in node.memory:
+                events += [(record.alloc_micros, record.alloc_bytes, node.node_name)
+                           for record in memory.allocation_records]
+    return sorted(events)
+
+
+def _live_at_peak(events):
+    """(peak bytes, {op name: bytes alive at the peak})."""
+    live, peak, peak_index = 0, 0, -1
+    for index, (_, nbytes, _) in enumerate(events):
+        live += nbytes
+        if live > peak:
+            peak, peak_index = live, index
+    alive = collections.Counter()
+    for _, nbytes, name in events[:peak_index + 1]:
+        alive[name] += nbytes
+    return peak, {name: nbytes for name, nbytes in alive.items() if nbytes > 0}
+
+
+def measure_breakdown(model="cnn", strategy="memory", depth=None, batch=None, top=15,
+                      model_options=None):
+    """Child side: the live buffers at the step's peak, and the model's prediction."""
+    import tensorflow as tf
+
+    from benchmarks.models import build_model
+
+    graph = tf.Graph()
+    with graph.as_default():
+        bench = build_model(model, depth=depth, batch=batch, **(model_options or {}))
+        loss = bench.loss(*[tf.constant(value) for value in bench.inputs])
+        forward_names = {op.name for op in graph.get_operations()}
+        grads, report = _gradients(loss, bench.variables, strategy)
+        gradient_names = {_allocating_op(g.op).name for g in grads if g is not None}
+        op_types = {op.name: op.type for op in graph.get_operations()}
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        metadata = tf.compat.v1.RunMetadata()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            session.run(grads)  # Grappler, executor and allocator set up
+            session.run(grads, options=options, run_metadata=metadata)
+    peak, alive = _live_at_peak(_allocations(metadata))
+    by_kind = collections.Counter()
+    for name, nbytes in alive.items():
+        by_kind[_kind(name, forward_names, gradient_names)] += nbytes
+    largest = sorted(alive.items(), key=lambda item: -item[1])[:top]
+    predicted = report.baseline_peak_bytes if strategy == BASELINE else report.predicted_peak_bytes
+    return {
+        "model": model, "strategy": strategy,
+        "bfc_peak": tf.config.experimental.get_memory_info(measure.memory_device())["peak"],
+        "resident": report.resident_bytes, "records_peak": peak, "by_kind": dict(by_kind),
+        "largest": [(name, op_types.get(name, "?"), _kind(name, forward_names, gradient_names),
+                     nbytes) for name, nbytes in largest],
+        "predicted": predicted,
+        "predicted_at": report.baseline_peak_at if strategy == BASELINE else report.peak_at,
+    }
+
+
+def _allocating_op(op):
+    """The op whose buffer `op`'s output is: through identities, which forward their input."""
+    while op.type in ("Identity", "Snapshot") and op.inputs:
+        op = op.inputs[0].op
+    return op
+
+
+def format_breakdown(result):
+    lines = [f"{result['model']} / {result['strategy']}: allocator (BFC) peak of the process "
+             f"{result['bfc_peak'] / MB:.1f} MB; at the step's peak from its allocation records "
+             f"{(result['resident'] + result['records_peak']) / MB:.1f} MB, of which:",
+             f"  {'weights (resident)':<18} {result['resident'] / MB:8.1f} MB"]
+    for kind in ("forward", "recomputed", "gradients", "grads of xs"):
+        lines.append(f"  {kind:<18} {result['by_kind'].get(kind, 0) / MB:8.1f} MB")
+    lines.append(f"memory model: {result['predicted'] / MB:.1f} MB, at {result['predicted_at']}")
+    lines.append("largest buffers alive at the peak (allocator chunks):")
+    lines += [f"  {nbytes / MB:7.2f} MB  {kind:<11} {op_type:<22} {name}"
+              for name, op_type, kind, nbytes in result["largest"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="cnn", choices=["cnn", "mlp", "transformer", "keras"])
+    parser.add_argument("--strategy", default="memory",
+                        help="tf.gradients, or a memsave strategy name ('memory', 'speed', ...)")
+    parser.add_argument("--depth", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--app", help="keras.applications model for --model keras")
+    parser.add_argument("--image-size", type=int)
+    parser.add_argument("--top", type=int, default=15, help="largest buffers to list")
+    parser.add_argument("--timeout", type=int, default=1200)
+    args = parser.parse_args(argv)
+    options = {}
+    if args.app:
+        options["app"] = args.app
+    if args.image_size:
+        options["image_size"] = args.image_size
+    result = measure.run_isolated(CHILD_TARGET, timeout=args.timeout, model=args.model,
+                                  strategy=args.strategy, depth=args.depth, batch=args.batch,
+                                  top=args.top, model_options=options)
+    print(format_breakdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
