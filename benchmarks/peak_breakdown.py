@@ -1,6 +1,6 @@
 """What is alive at the measured peak of one training step, next to the memory model's view.
 
-    python benchmarks/peak_breakdown.py --model keras --app ResNet50 --image-size 96 --strategy memory
+    python benchmarks/peak_breakdown.py --model keras --app ResNet50 --image-size 96  # 'memory'
     python benchmarks/peak_breakdown.py --model cnn --strategy tf.gradients --top 10
 
 Where the measured peak and the model disagree, this says why. The step runs in its

@@ -151,12 +151,12 @@ def _subsets(tensors):
 
 def _subsets_with_offload(tensors, offloadable):
     """(plan, offloaded) for every subset of `tensors` and every subset of its offloadable
-    members."""
+    members (none when `offloadable` is None)."""
     for plan in _subsets(tensors):
-        movable = [t for t in plan if t in offloadable.tensors]
         yield plan, []
-        for offloaded in _subsets(movable):
-            yield plan, offloaded
+        if offloadable is not None:
+            for offloaded in _subsets([t for t in plan if t in offloadable.tensors]):
+                yield plan, offloaded
 
 
 class _Search:
@@ -312,14 +312,13 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
         recomputed (the cost is then recomputation plus transfers).
     """
     search = _Search(model, offloadable)
-    n_candidates = len(search.candidates.tensors)
+    tensors = search.candidates.tensors
     if exact is None:
-        exact = n_candidates <= (EXACT_BUDGET_LIMIT if search.offloadable is None
+        exact = len(tensors) <= (EXACT_BUDGET_LIMIT if search.offloadable is None
                                  else EXACT_OFFLOAD_LIMIT)
     if exact:
-        plans = (_subsets_with_offload(search.candidates.tensors, search.offloadable)
-                 if search.offloadable else ((plan, []) for plan in _subsets(search.candidates.tensors)))
-        found = ((search.predict(plan, offloaded), plan, offloaded) for plan, offloaded in plans)
+        found = ((search.predict(plan, offloaded), plan, offloaded)
+                 for plan, offloaded in _subsets_with_offload(tensors, search.offloadable))
         return _cheapest(f for f in found if f[0].peak_bytes <= limit_bytes)
     # With offload, every segment size: fine cuts whose checkpoints wait on the host
     # reach peaks that no plan without offload reaches.

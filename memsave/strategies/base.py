@@ -2,8 +2,9 @@
 
 A strategy is a callable `strategy(region) -> list[Choice]`: given the forward
 region (memsave.region.ForwardRegion) it names the tensors to keep, each with
-the reason it was kept (and, for a planner, whether to offload it). Simple strategies are tensor predicates turned into
-strategies by `keep_if`; `union` combines any number of strategies.
+the reason it was kept (and, for a planner, whether to offload it). Simple
+strategies are tensor predicates turned into strategies by `keep_if`; `union`
+combines any number of strategies.
 """
 
 import collections
