@@ -4,9 +4,10 @@ Every cost of the planner is in one unit, FLOPs of the machine's matmuls and
 convolutions: a matmul or a convolution costs its FLOPs (opinfo.flops); any
 other op costs its output elements times a per-element price, because on real
 hardware elementwise ops, reductions and normalisations are bound by memory
-traffic, not arithmetic (on a CPU core a ReLU over an element takes as long as
-~20 FLOPs of a convolution, a training-mode batch norm ~100); each op run and
-each recomputed segment costs a fixed overhead on top.
+traffic, not arithmetic (on the CPU measured, a ReLU or an add over an element
+of a large tensor takes as long as ~35 FLOPs of a convolution, a training-mode
+batch norm ~80); each op run and each recomputed segment costs a fixed overhead
+on top.
 
 `calibrate()` measures those prices on the machine it runs on (a few seconds);
 `use(costs)` makes a Costs the one the planner uses, for the block it wraps.
@@ -69,7 +70,7 @@ class Costs:
 
     def of(self, op):
         """What running `op` once costs (without the per-op overhead)."""
-        if op.type in opinfo.MATMUL_LIKE or op.type in opinfo.CONV_LIKE or op.type == "Einsum":
+        if op.type in opinfo.HEAVY_OP_TYPES:
             return opinfo.flops(op)
         elements = opinfo.output_elements(op)
         if op.type in NORMALISATION_OP_TYPES:

@@ -74,6 +74,7 @@ ALIAS_OP_TYPES = frozenset([
 # per output element (memsave.planner.costs).
 MATMUL_LIKE = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
 CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"])
+HEAVY_OP_TYPES = MATMUL_LIKE | CONV_LIKE | frozenset(["Einsum"])  # (flops() counts these)
 
 
 @functools.lru_cache(maxsize=None)

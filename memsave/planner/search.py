@@ -29,6 +29,7 @@ import itertools
 
 import numpy as np
 
+from memsave.offload import DEFAULT_FLOPS_PER_BYTE, DEFAULT_PREFETCH
 from memsave.planner.graph import REGION, RESIDENT, is_data
 
 EXACT_PEAK_LIMIT = 10
@@ -47,8 +48,8 @@ class Offloadable:
       prefetch, flops_per_byte: as memsave.Offload's.
     """
     tensors: frozenset
-    prefetch: int = 1
-    flops_per_byte: float = 1000.0
+    prefetch: int = DEFAULT_PREFETCH
+    flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE
 
 
 class Candidates:
