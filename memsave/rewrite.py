@@ -607,12 +607,18 @@ def _local_input(t, gate=None):
     it anyway (it is one of that call's xs and stop_gradients), and a
     stop_gradient would also cut every higher-order gradient taken through
     the gradients memsave returns (they would come out None). Under XLA, `t`
-    times `gate` (a 1 XLA cannot fold: exact for every value, -0.0 and NaN included).
+    itself from a conditional on `gate` (a 1 XLA cannot fold), so the copies wait for
+    the segment's gradient; exact for every value, -0.0 and NaN included.
     """
     placement = tf.device(t.op.device) if t.op.device else contextlib.nullcontext()
     with placement:
         if gate is not None and (t.dtype.is_floating or t.dtype.is_complex or t.dtype.is_integer):
-            return tf.multiply(t, tf.cast(gate, t.dtype), name="input")
+            # A conditional on data of the backward pass: XLA materialises its operand and
+            # cannot fuse the checkpoint's producer into the branch, so the recomputation
+            # reads the checkpoint itself, not a copy of its producer (which would keep the
+            # producer's own inputs, e.g. convolution outputs, alive from the forward pass).
+            return tf.cond(gate > 0.5, lambda: tf.identity(t), lambda: tf.zeros_like(t),
+                           name="input")
         return tf.identity(t, name="input")
 
 
@@ -622,10 +628,10 @@ def _xla_gate(trigger):
 
     XLA ignores control inputs and merges equal computations, so copies that only
     wait for their segment's gradient through control inputs would be merged back
-    into the forward pass (nothing saved). Copies that read their inputs times this
-    value differ from the forward ops and cannot run before `trigger` exists. It reads
-    one element; any value (NaN, an empty tensor) gives 1 (tf.recompute_grad does the
-    same).
+    into the forward pass (nothing saved). Copies that read their inputs through a
+    conditional on this value differ from the forward ops and cannot run before
+    `trigger` exists. It reads one element; any value (NaN, an empty tensor) gives 1
+    (tf.recompute_grad does the same).
     """
     with tf.name_scope("xla_gate"):
         if trigger.dtype.is_complex:
