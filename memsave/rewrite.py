@@ -485,6 +485,11 @@ class _Rewrite:
             locals_ = [replacements[t] for t in local_inputs]
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
+            if gate is not None:
+                # The gradients leave the segment materialised too: XLA would otherwise
+                # fuse their last elementwise ops into the next segments' readers and keep
+                # this segment's activations alive until then.
+                grads = [_gated(g, gate) for g in grads]
             if self.serialize_conv_gradients:
                 _serialize_conv_gradients(copy.ops)
         for t, g in zip(local_inputs, grads):
@@ -613,13 +618,22 @@ def _local_input(t, gate=None):
     placement = tf.device(t.op.device) if t.op.device else contextlib.nullcontext()
     with placement:
         if gate is not None and (t.dtype.is_floating or t.dtype.is_complex or t.dtype.is_integer):
-            # A conditional on data of the backward pass: XLA materialises its operand and
-            # cannot fuse the checkpoint's producer into the branch, so the recomputation
-            # reads the checkpoint itself, not a copy of its producer (which would keep the
-            # producer's own inputs, e.g. convolution outputs, alive from the forward pass).
-            return tf.cond(gate > 0.5, lambda: tf.identity(t), lambda: tf.zeros_like(t),
-                           name="input")
+            return _gated(t, gate, name="input")
         return tf.identity(t, name="input")
+
+
+def _gated(t, gate, name="gated"):
+    """`t` from a conditional on `gate` (under XLA; None and non-numeric tensors pass).
+
+    XLA materialises a conditional's operand and cannot fuse the operand's producer
+    into the branch, so whoever reads the result reads `t` itself, not a copy of its
+    producer (which would keep the producer's own inputs alive, e.g. convolution
+    outputs from the forward pass); and it cannot run before `gate` exists.
+    """
+    if t is None or isinstance(t, tf.IndexedSlices) or not (
+            t.dtype.is_floating or t.dtype.is_complex or t.dtype.is_integer):
+        return t
+    return tf.cond(gate > 0.5, lambda: tf.identity(t), lambda: tf.zeros_like(t), name=name)
 
 
 def _xla_gate(trigger):

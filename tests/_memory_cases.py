@@ -118,3 +118,28 @@ def small_cnn(mode, blocks=12, batch=32, width=16, jit=False):
 
     images = tf.constant(rng.standard_normal([batch, 32, 32, 3]).astype(np.float32))
     return _measure(step, images)
+
+
+def layer_norm_mlp(mode, blocks=12, rows=4096, width=128, jit=False):
+    """Pre-LN residual blocks, x + W2 relu(W1 LN(x)), as in a transformer's feed-forward
+    half, in tf.function (jit=True: compiled by XLA)."""
+    rng = np.random.RandomState(0)
+
+    def variable(shape, scale):
+        return tf.Variable((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    layers = [(variable([width, 2 * width], 0.05), variable([2 * width, width], 0.05))
+              for _ in range(blocks)]
+    weights = [w for layer in layers for w in layer]
+
+    @tf.function(jit_compile=jit)
+    def step(x):
+        h = x
+        for w1, w2 in layers:
+            mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+            normed = (h - mean) * tf.math.rsqrt(var + 1e-5)
+            h = h + tf.matmul(tf.nn.relu(tf.matmul(normed, w1)), w2)
+        return _gradient_fn(mode, [])(tf.reduce_mean(h * h), weights)
+
+    x = tf.constant(rng.standard_normal([rows, width]).astype(np.float32))
+    return _measure(step, x)
