@@ -617,7 +617,7 @@ def _local_input(t, gate=None):
     """
     placement = tf.device(t.op.device) if t.op.device else contextlib.nullcontext()
     with placement:
-        if gate is not None and (t.dtype.is_floating or t.dtype.is_complex or t.dtype.is_integer):
+        if gate is not None and _is_number(t.dtype):
             return _gated(t, gate, name="input")
         return tf.identity(t, name="input")
 
@@ -630,10 +630,13 @@ def _gated(t, gate, name="gated"):
     producer (which would keep the producer's own inputs alive, e.g. convolution
     outputs from the forward pass); and it cannot run before `gate` exists.
     """
-    if t is None or isinstance(t, tf.IndexedSlices) or not (
-            t.dtype.is_floating or t.dtype.is_complex or t.dtype.is_integer):
+    if t is None or isinstance(t, tf.IndexedSlices) or not _is_number(t.dtype):
         return t
     return tf.cond(gate > 0.5, lambda: tf.identity(t), lambda: tf.zeros_like(t), name=name)
+
+
+def _is_number(dtype):
+    return dtype.is_floating or dtype.is_complex or dtype.is_integer
 
 
 def _xla_gate(trigger):

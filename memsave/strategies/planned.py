@@ -140,6 +140,6 @@ def _offloadable(model, region):
     if offloader is None or not offloader.enabled:
         return None
     graph, options = model.graph, offloader.options
-    tensors = frozenset(t for t in search.Candidates(graph).tensors
+    tensors = frozenset(t for op in graph.region_op_ids() for t in graph.outputs[op]
                         if offloader.may_offload(graph.tensors[t]))
     return search.Offloadable(tensors, options.prefetch, options.flops_per_byte)
