@@ -30,6 +30,12 @@ Columns of the table:
   build s     seconds spent inside the gradient function while tracing
               (tf.gradients itself, or memsave's whole rewrite);
   ckpts       checkpoints memsave kept (from memsave.last_report()).
+With --fit, two more:
+  fits MB     the smallest cap (within 3%) under which one step runs: what the step
+              needs, where the peak above may count allocator chunks it did not split
+              (one XLA program's temporary buffer can sit in a chunk far larger than
+              itself); see `fitting_cap`;
+  x tf        that divided by tf.gradients's.
 """
 
 import argparse
@@ -67,7 +73,10 @@ CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_
               "predicted_mb", "predicted_error", "recompute_fraction",
               "resting_mb", "step_ms", "time_ratio", "paired_base_step_ms",
               "time_ratio_separate", "max_rel_err", "grad_build_s", "trace_s", "first_call_s",
-              "checkpoints", "copied_ops", "graph_ops", "xla_buffer_mb", "device", "message")
+              "checkpoints", "copied_ops", "graph_ops", "xla_buffer_mb", "fits_mb", "fits_ratio",
+              "device", "message")
+FIT_COLUMNS = ("fits MB", "x tf")
+FIT_TOLERANCE = 1.03  # the cap found is within 3% of the smallest one the step runs under
 
 
 # ----------------------------------------------------------------------------- child side
@@ -173,7 +182,8 @@ def _gradient_arrays(grads):
 
 def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps=5, warmup=2,
                    seed=0, grads_path=None, memory_limit_mb=None, model_options=None,
-                   paired=True, grappler=True, jit=False, xla_dump=None, offload=False):
+                   paired=True, grappler=True, jit=False, xla_dump=None, offload=False,
+                   one_region=False):
     """One configuration, measured in the current (fresh) process; returns a JSON-able dict.
 
     jit=True compiles the step (and the paired tf.gradients step) with XLA and records
@@ -188,6 +198,9 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
     alternately for `steps` rounds (step_s, paired_base_step_s, paired_ratio);
     otherwise `steps` steps are timed alone (step_s: their median).
 
+    one_region=True (with `memory_limit_mb`) first reserves the whole cap as one region,
+    as a GPU's allocator holds its memory (`memsave.measure.reserve_one_region`).
+
     Out of memory (ResourceExhaustedError, e.g. under `memory_limit_mb`) is a result:
     {"status": "OOM", ...}; so is a memsave refusal ({"status": "error", ...}).
     """
@@ -195,6 +208,8 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
 
     if memory_limit_mb:
         measure.apply_gpu_memory_limit(memory_limit_mb)
+        if one_region:
+            measure.reserve_one_region(memory_limit_mb)
     if not grappler:
         tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     import memsave
@@ -298,10 +313,10 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
 
 # ----------------------------------------------------------------------------- parent side
 
-def _child_env(memory_limit_mb):
+def _child_env(memory_limit_mb, keep_onednn=False):
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(measure.memory_limit_env(memory_limit_mb), PYTHONPATH=pythonpath)
-    if memory_limit_mb:
+    if memory_limit_mb and not keep_onednn:
         # oneDNN's CPU kernels crash (SIGSEGV) when the capped allocator refuses them;
         # TensorFlow's own kernels raise ResourceExhaustedError, which is reported as OOM.
         env["TF_ENABLE_ONEDNN_OPTS"] = "0"
@@ -310,10 +325,13 @@ def _child_env(memory_limit_mb):
 
 def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb, grads_path,
             model_options=None, timeout=900, paired=True, grappler=True, jit=False,
-            offload=False):
-    """Runs measure_config in its own process; a crash or kill becomes a result row too."""
+            offload=False, fit_probe=False):
+    """Runs measure_config in its own process; a crash or kill becomes a result row too.
+
+    fit_probe=True: a probe of `fitting_cap` (the cap reserved as one region, the kernels
+    of the uncapped run kept: a crash under the cap counts as out of memory)."""
     started = time.perf_counter()
-    env = _child_env(memory_limit_mb)
+    env = _child_env(memory_limit_mb, keep_onednn=fit_probe)
     dump = tempfile.TemporaryDirectory(prefix="memsave-xla-") if jit else None
     if dump:
         env.update(measure.xla_dump_env(dump.name))
@@ -323,7 +341,7 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
             depth=depth, batch=batch, strategy=strategy, steps=steps, warmup=warmup, seed=seed,
             grads_path=grads_path, memory_limit_mb=memory_limit_mb, model_options=model_options,
             paired=paired, grappler=grappler, jit=jit, xla_dump=dump and dump.name,
-            offload=offload)
+            offload=offload, one_region=fit_probe)
     except measure.IsolatedRunError as error:
         if measure.is_oom_failure(error):
             status = "OOM"
@@ -342,6 +360,56 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
     result["wall_s"] = time.perf_counter() - started
     result.setdefault("depth", depth)
     return result
+
+
+def fitting_cap(probe, peak_mb, lower_mb=None):
+    """The smallest cap, within FIT_TOLERANCE, under which `probe(cap_mb)` runs.
+
+    Args:
+      probe: cap_mb -> whether one step ran under that cap (a fresh process each).
+      peak_mb: the step's uncapped peak (it runs under that, or a little more).
+      lower_mb: a size the step cannot run below (XLA's buffer assignment: its one
+        temporary buffer and its outputs, beside the resident weights), tried first at
+        FIT_TOLERANCE above it; without one the search starts at half the peak.
+    Returns:
+      The cap in MB, or None when the step did not run even at twice its peak.
+    """
+    if lower_mb:
+        low = math.ceil(lower_mb * FIT_TOLERANCE)
+        if probe(low):
+            return low
+    else:
+        low = max(1, math.floor(peak_mb / 2))
+        while probe(low):  # rarely: the step needs less than half its uncapped peak
+            if low == 1:
+                return low
+            low = max(1, low // 2)
+    high = math.ceil(peak_mb)
+    while not probe(high):
+        if high > 2 * peak_mb:
+            return None
+        high = math.ceil(high * 1.25)
+    while high > low * FIT_TOLERANCE and high - low > 1:
+        middle = math.ceil(math.sqrt(low * high))
+        if probe(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def _fit(model, depth, batch, strategy, result, seed, model_options, timeout, jit, offload):
+    """fitting_cap for one measured configuration (one step per probe, nothing timed)."""
+    def probe(cap_mb):
+        probed = run_one(model, depth, batch, strategy, steps=1, warmup=0, seed=seed,
+                         memory_limit_mb=cap_mb, grads_path=None, model_options=model_options,
+                         timeout=timeout, paired=False, jit=jit, offload=offload,
+                         fit_probe=True)
+        logger.info("  %s under a cap of %d MB: %s", strategy, cap_mb, probed.get("status"))
+        return probed.get("status") == "ok"
+
+    lower = result.get("xla_buffer_bytes")
+    return fitting_cap(probe, result["peak_bytes"] / 2**20, lower and lower / 2**20)
 
 
 # Gradients below this fraction of the largest one count as numerically zero: e.g. a conv
@@ -384,14 +452,15 @@ def default_strategies(model):
 
 def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmup=2, seed=0,
             memory_limit_mb=None, model_options=None, timeout=900, baseline=True, paired=True,
-            grappler=True, jit=False, offload=False):
+            grappler=True, jit=False, offload=False, fit=False):
     """Measures every strategy (tf.gradients first) in its own process; returns table rows.
 
     baseline=False leaves tf.gradients out (no peak ratios or errors then).
     paired=True times each memsave strategy side by side with tf.gradients in its
     process (see measure_config); the time ratio is then the paired one. jit=True
     compiles every step with XLA (tf.function(jit_compile=True)); offload=True
-    passes offload=True to every memsave strategy.
+    passes offload=True to every memsave strategy; fit=True also finds, for each, the
+    smallest cap it runs under (`fitting_cap`; several processes of one step each).
     """
     strategies = [s for s in (strategies or default_strategies(model)) if s != BASELINE]
     if baseline:
@@ -404,6 +473,9 @@ def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmu
                              paths[strategy], model_options, timeout, paired, grappler, jit,
                              offload)
             _log_progress(done, len(strategies), model, depth, result)
+            if fit and result.get("status") == "ok":
+                result["fits_mb"] = _fit(model, depth, batch, strategy, result, seed,
+                                         model_options, timeout, jit, offload)
             results[strategy] = result
         rows = _rows(results, strategies, paths, offload)
     return rows
@@ -455,6 +527,8 @@ def _rows(results, strategies, paths, offload_requested=False):
                 row["time_ratio"] = 1.0
             if base_ok:
                 row["peak_ratio"] = result["peak_bytes"] / base["peak_bytes"]
+                if row["fits_mb"] and base.get("fits_mb"):
+                    row["fits_ratio"] = row["fits_mb"] / base["fits_mb"]
                 row["time_ratio_separate"] = result["step_s"] / base["step_s"]
                 if row["time_ratio"] is None:
                     row["time_ratio"] = row["time_ratio_separate"]
@@ -497,20 +571,29 @@ def _fmt(value, spec):
     return format(value, spec)
 
 
-def _cells(row):
+def _columns(rows):
+    """The table's columns: FIT_COLUMNS too where a row was fitted (--fit)."""
+    return TABLE_COLUMNS + (FIT_COLUMNS if any(row.get("fits_mb") for row in rows) else ())
+
+
+def _cells(row, columns=TABLE_COLUMNS):
     if row["status"] != "ok":
-        return [row["strategy"], row["status"] or "failed"] + ["-"] * (len(TABLE_COLUMNS) - 2)
-    return [row["strategy"], _fmt(row["peak_mb"], ".1f"), _fmt(row["peak_ratio"], ".2f"),
-            _fmt(row["predicted_mb"], ".1f"), _fmt(row["predicted_error"], "+.0%"),
-            _fmt(row["step_ms"], ".1f"), _fmt(row["time_ratio"], ".2f"),
-            _fmt(row["max_rel_err"], ".1e"), _fmt(row["grad_build_s"], ".2f"),
-            _fmt(row["checkpoints"], "d")]
+        return [row["strategy"], row["status"] or "failed"] + ["-"] * (len(columns) - 2)
+    cells = [row["strategy"], _fmt(row["peak_mb"], ".1f"), _fmt(row["peak_ratio"], ".2f"),
+             _fmt(row["predicted_mb"], ".1f"), _fmt(row["predicted_error"], "+.0%"),
+             _fmt(row["step_ms"], ".1f"), _fmt(row["time_ratio"], ".2f"),
+             _fmt(row["max_rel_err"], ".1e"), _fmt(row["grad_build_s"], ".2f"),
+             _fmt(row["checkpoints"], "d")]
+    if len(columns) > len(TABLE_COLUMNS):
+        cells += [_fmt(row.get("fits_mb"), "d"), _fmt(row.get("fits_ratio"), ".2f")]
+    return cells
 
 
 def format_table(rows):
     """The comparison as aligned text (notes for failed or odd rows below it)."""
-    cells = [list(TABLE_COLUMNS)] + [_cells(row) for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(TABLE_COLUMNS))]
+    columns = _columns(rows)
+    cells = [list(columns)] + [_cells(row, columns) for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                        enumerate(zip(line, widths))) for line in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -521,10 +604,10 @@ def format_table(rows):
 def format_markdown(rows, title=None):
     """The comparison as a Markdown table."""
     lines = [f"{title}\n"] if title else []
-    lines.append("| " + " | ".join(TABLE_COLUMNS) + " |")
-    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(TABLE_COLUMNS)))
-                 + "|")
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    columns = _columns(rows)
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
+    lines += ["| " + " | ".join(_cells(row, columns)) + " |" for row in rows]
     notes = _notes(rows)
     if notes:
         lines.append("")
@@ -729,6 +812,10 @@ def main(argv=None):
     parser.add_argument("--jit", action="store_true",
                         help="compile every step with XLA (tf.function(jit_compile=True)); the "
                              "notes give the dot/convolution ops of each optimized HLO")
+    parser.add_argument("--fit", action="store_true",
+                        help="also find, for each strategy, the smallest cap (within 3%%) its "
+                             "step runs under, the cap reserved as one region as a GPU's "
+                             "allocator holds it: what the step needs (columns 'fits MB')")
     parser.add_argument("--offload", action="store_true",
                         help="memsave strategies keep their checkpoints in host memory "
                              "(offload=True); the notes give what moved per step")
@@ -834,7 +921,7 @@ def main(argv=None):
     rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
                    args.seed, args.memory_limit_mb, model_options, args.timeout,
                    paired=not args.no_paired, grappler=not args.disable_grappler, jit=args.jit,
-                   offload=args.offload)
+                   offload=args.offload, fit=args.fit)
     title = _title(rows, command)
     print(title)
     print(format_table(rows))

@@ -110,6 +110,42 @@ def memory_limit_env(limit_mb):
     return {CPU_MEMORY_LIMIT_ENV: str(int(limit_mb))}
 
 
+def reserve_one_region(limit_mb):
+    """Makes a capped CPU allocator hold its whole cap as one region, as TensorFlow's GPU
+    allocator does by default (it takes the GPU's memory in one piece unless memory
+    growth is on), so that running under a cap shows what a step needs.
+
+    The CPU BFC allocator grows region by region, each twice the last, and no buffer
+    can span two regions: under a cap, a step whose largest buffer (an XLA program's one
+    temporary buffer) does not fit in the room the earlier regions left fails although
+    the cap holds it. Reserving nearly the whole cap first (an uninitialised tensor,
+    dropped at once: the allocator keeps its region) leaves every later buffer to be cut
+    from that one region. Call it first thing in a child, before anything is allocated.
+
+    Args:
+      limit_mb: the cap the child runs under (`memory_limit_env`), in MB.
+    Returns:
+      The MB reserved, or None where nothing was (no cap, or a GPU: its capped virtual
+      device is one region already).
+    """
+    import tensorflow as tf
+    if not limit_mb or tf.config.list_physical_devices("GPU"):
+        return None
+    # What TensorFlow allocated while starting takes a first small region; try the
+    # largest reservation that still fits beside it.
+    for spare_mb in range(1, 33):
+        size_mb = int(limit_mb) - spare_mb
+        if size_mb <= 0:
+            break
+        try:
+            block = tf.raw_ops.Empty(shape=[size_mb << 20], dtype=tf.uint8, init=False)
+        except tf.errors.ResourceExhaustedError:
+            continue
+        del block
+        return size_mb
+    return None
+
+
 def apply_gpu_memory_limit(limit_mb):
     """Caps GPU:0 at `limit_mb` with a virtual device; returns False when there is no GPU.
 

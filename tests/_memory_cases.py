@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import memsave
-from memsave.measure import peak_memory_bytes
+from memsave.measure import peak_memory_bytes, reserve_one_region
 
 
 _PREDICTED = {}
@@ -143,3 +143,14 @@ def layer_norm_mlp(mode, blocks=12, rows=4096, width=128, jit=False):
 
     x = tf.constant(rng.standard_normal([rows, width]).astype(np.float32))
     return _measure(step, x)
+
+
+def capped(case, limit_mb, **kwargs):
+    """`case` run under the CPU allocator's cap of `limit_mb` (the caller sets
+    TF_CPU_BFC_MEM_LIMIT_IN_MB to it), the cap reserved first as one region, as a GPU's
+    allocator holds its memory; {"oom": True} when the step does not fit."""
+    reserve_one_region(limit_mb)
+    try:
+        return globals()[case](**kwargs)
+    except tf.errors.ResourceExhaustedError:
+        return {"oom": True}

@@ -111,10 +111,34 @@ def test_offload_says_what_moved_or_that_nothing_can_be_measured(capsys):
         assert "offload: nothing moved: no accelerator here" in printed, printed
 
 
-def test_jit_notes_give_hlo_ops_and_xla_buffers(capsys):
-    printed = _small_compare(capsys, "--jit")
+def test_jit_notes_give_hlo_ops_and_xla_buffers_and_fit_finds_a_cap_above_them(capsys):
+    printed = _small_compare(capsys, "--jit", "--fit")
     notes = [line for line in printed.splitlines() if "optimized HLO" in line]
     assert len(notes) == 2 and all("XLA buffers" in line for line in notes), printed
+    header = next(line for line in printed.splitlines() if line.startswith("strategy"))
+    assert header.split()[-4:] == ["fits", "MB", "x", "tf"], header
+    for strategy, note in zip(("tf.gradients", "memory"), notes):
+        row = next(line for line in printed.splitlines() if line.startswith(strategy + " "))
+        buffers_mb = float(note.split("XLA buffers ")[1].split(" MB")[0])
+        fits_mb = int(row.split()[-2])
+        assert buffers_mb <= fits_mb <= math.ceil(buffers_mb * compare.FIT_TOLERANCE) + 8, printed
+
+
+def test_fitting_cap_finds_the_smallest_cap_within_tolerance():
+    for need in (7, 87.3, 410.5):
+        probed = []
+
+        def probe(cap, need=need):
+            probed.append(cap)
+            return cap >= need
+
+        cap = compare.fitting_cap(probe, peak_mb=need * 1.6)
+        assert need <= cap <= need * compare.FIT_TOLERANCE + 1, (need, cap, probed)
+        assert len(probed) <= 10
+        probed.clear()
+        # From a lower bound just under the need: found at the first probe.
+        assert compare.fitting_cap(probe, peak_mb=need * 1.6, lower_mb=need * 0.99) >= need
+    assert compare.fitting_cap(lambda cap: False, peak_mb=50) is None
 
 
 def test_peak_breakdown_accounts_for_every_byte_alive_at_the_measured_peak():
