@@ -370,25 +370,29 @@ def fitting_cap(probe, peak_mb, lower_mb=None):
       peak_mb: the step's uncapped peak (it runs under that, or a little more).
       lower_mb: a size the step cannot run below (XLA's buffer assignment: its one
         temporary buffer and its outputs, beside the resident weights), tried first at
-        FIT_TOLERANCE above it; without one the search starts at half the peak.
+        FIT_TOLERANCE above it; without one the search starts 15% below the peak and
+        steps down by 15% while the step still runs there.
     Returns:
       The cap in MB, or None when the step did not run even at twice its peak.
     """
+    high = None  # the smallest cap seen to run
     if lower_mb:
         low = math.ceil(lower_mb * FIT_TOLERANCE)
         if probe(low):
             return low
     else:
-        low = max(1, math.floor(peak_mb / 2))
-        while probe(low):  # rarely: the step needs less than half its uncapped peak
+        low = max(1, math.floor(peak_mb * 0.85))
+        while probe(low):
+            high = low
             if low == 1:
                 return low
-            low = max(1, low // 2)
-    high = math.ceil(peak_mb)
-    while not probe(high):
-        if high > 2 * peak_mb:
-            return None
-        high = math.ceil(high * 1.25)
+            low = max(1, math.floor(low * 0.85))
+    if high is None:
+        high = math.ceil(peak_mb)
+        while not probe(high):
+            if high > 2 * peak_mb:
+                return None
+            high = math.ceil(high * 1.25)
     while high > low * FIT_TOLERANCE and high - low > 1:
         middle = math.ceil(math.sqrt(low * high))
         if probe(middle):

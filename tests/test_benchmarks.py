@@ -132,10 +132,13 @@ def test_fitting_cap_finds_the_smallest_cap_within_tolerance():
             probed.append(cap)
             return cap >= need
 
-        cap = compare.fitting_cap(probe, peak_mb=need * 1.6)
-        assert need <= cap <= need * compare.FIT_TOLERANCE + 1, (need, cap, probed)
-        assert len(probed) <= 10
-        probed.clear()
+        # Uncapped peaks far above the need (allocator chunks), or below it (a first run
+        # that allocates more than the later ones, whose peak is measured).
+        for peak in (need * 1.6, need * 1.1, need / 1.1):
+            cap = compare.fitting_cap(probe, peak_mb=peak)
+            assert need <= cap <= need * compare.FIT_TOLERANCE + 1, (need, peak, cap, probed)
+            assert len(probed) <= 10
+            probed.clear()
         # From a lower bound just under the need: found at the first probe.
         assert compare.fitting_cap(probe, peak_mb=need * 1.6, lower_mb=need * 0.99) >= need
     assert compare.fitting_cap(lambda cap: False, peak_mb=50) is None
