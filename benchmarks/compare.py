@@ -32,9 +32,9 @@ Columns of the table:
   ckpts       checkpoints memsave kept (from memsave.last_report()).
 With --fit, two more:
   fits MB     the smallest cap (within 3%) under which the step runs, its first run
-              included: what the step needs, where the peak above may count allocator chunks it did not split
-              (one XLA program's temporary buffer can sit in a chunk far larger than
-              itself); see `fitting_cap`;
+              included: what the step needs, where the peak above may count allocator
+              chunks it did not split (one XLA program's temporary buffer can sit in a
+              chunk far larger than itself); see `fitting_cap`;
   x tf        that divided by tf.gradients's.
 """
 
@@ -366,7 +366,7 @@ def fitting_cap(probe, peak_mb, lower_mb=None):
     """The smallest cap, within FIT_TOLERANCE, under which `probe(cap_mb)` runs.
 
     Args:
-      probe: cap_mb -> whether one step ran under that cap (a fresh process each).
+      probe: cap_mb -> whether the step ran under that cap (a fresh process each).
       peak_mb: the step's uncapped peak (it runs under that, or a little more).
       lower_mb: a size the step cannot run below (XLA's buffer assignment: its one
         temporary buffer and its outputs, beside the resident weights), tried first at
@@ -403,7 +403,7 @@ def fitting_cap(probe, peak_mb, lower_mb=None):
 
 
 def _fit(model, depth, batch, strategy, result, seed, model_options, timeout, jit, offload):
-    """fitting_cap for one measured configuration (one step per probe, nothing timed)."""
+    """fitting_cap for one measured configuration (a few steps per probe, none paired)."""
     def probe(cap_mb):
         probed = run_one(model, depth, batch, strategy, steps=1, warmup=0, seed=seed,
                          memory_limit_mb=cap_mb, grads_path=None, model_options=model_options,
