@@ -31,10 +31,11 @@ Columns of the table:
               (tf.gradients itself, or memsave's whole rewrite);
   ckpts       checkpoints memsave kept (from memsave.last_report()).
 With --fit, two more:
-  fits MB     the smallest cap (within 3%) under which the step runs, its first run
-              included: what the step needs, where the peak above may count allocator
-              chunks it did not split (one XLA program's temporary buffer can sit in a
-              chunk far larger than itself); see `fitting_cap`;
+  fits MB     the smallest cap (within 3%) under which the step runs: what the step
+              needs. The peak above may count allocator chunks it did not split (one
+              XLA program's temporary buffer can sit in a chunk far larger than
+              itself), or leave out fragmentation (under a cap each buffer must fit in
+              one free chunk); see `fitting_cap`;
   x tf        that divided by tf.gradients's.
 """
 

@@ -132,8 +132,8 @@ def test_fitting_cap_finds_the_smallest_cap_within_tolerance():
             probed.append(cap)
             return cap >= need
 
-        # Uncapped peaks far above the need (allocator chunks), or below it (a first run
-        # that allocates more than the later ones, whose peak is measured).
+        # Uncapped peaks far above the need (allocator chunks), or below it (fragmentation:
+        # under a cap each buffer must fit in one free chunk).
         for peak in (need * 1.6, need * 1.1, need / 1.1):
             cap = compare.fitting_cap(probe, peak_mb=peak)
             assert need <= cap <= need * compare.FIT_TOLERANCE + 1, (need, peak, cap, probed)
