@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from memsave.measure import CPU_MEMORY_LIMIT_ENV, run_isolated, xla_buffer_bytes, xla_dump_env
+from memsave.measure import memory_limit_env, run_isolated, xla_buffer_bytes, xla_dump_env
 
 from _versions import XLA_SAVINGS_MEASURED
 
@@ -108,8 +108,8 @@ def test_under_xla_memory_keeps_its_ratio_and_runs_in_xlas_buffers(case, tmp_pat
     # chunks it did not split for XLA's one large buffer: 32.6 MB for the CNN's 25.0.)
     cap_mb = math.ceil(buffers["memory"] / 2**20 * 1.05 + 2)
     capped = {mode: run_isolated("_memory_cases:capped", case=case, limit_mb=cap_mb, mode=mode,
-                                 jit=True, env={"PYTHONPATH": TESTS_DIR,
-                                                CPU_MEMORY_LIMIT_ENV: str(cap_mb)})
+                                 jit=True, env=dict(memory_limit_env(cap_mb),
+                                                    PYTHONPATH=TESTS_DIR))
               for mode in ("tf", "memory")}
     assert not capped["memory"].get("oom"), f"'memory' under XLA does not run in {cap_mb} MB"
     assert capped["tf"].get("oom"), f"tf.gradients under XLA runs in {cap_mb} MB: {capped}"
