@@ -59,6 +59,9 @@ class RewriteReport:
     their copies back), and `transfer_flops` what the model says the transfers cost
     (memsave.planner.costs.transfer_flops). `memsave.plan` predicts the moved bytes
     and leaves `offloaded` empty; each checkpoint's `offloaded` says what it plans.
+    `deferred_gradients` counts the weight gradients made after the last segment's
+    backward pass, not where their op's gradient runs (memsave.planner.graph's
+    StepGraph.deferred: each is larger than what computing it reads).
     """
     strategy: str
     region_ops: int
@@ -80,6 +83,7 @@ class RewriteReport:
     offload_moved_bytes: int = 0
     predicted_host_bytes: int = 0
     transfer_flops: int = 0
+    deferred_gradients: int = 0
 
     @property
     def kept_bytes(self):
@@ -108,7 +112,14 @@ class RewriteReport:
                 f"{self.region_ops} ops; {len(self.segments)} segments recompute "
                 f"{self.copied_ops} ops ({_mb(self.recomputed_bytes)}), about "
                 f"{self.recompute_fraction:.0%} of a forward pass; {len(self.not_recomputable)} "
-                f"ops kept as not recomputable{self._offload()}{self._peaks()}")
+                f"ops kept as not recomputable{self._deferred()}{self._offload()}"
+                f"{self._peaks()}")
+
+    def _deferred(self):
+        if not self.deferred_gradients:
+            return ""
+        return (f"; {self.deferred_gradients} weight gradients made after the last segment "
+                "(smaller to keep what they read)")
 
     def _offload(self):
         count = sum(c.offloaded for c in self.checkpoints)

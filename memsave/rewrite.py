@@ -289,6 +289,7 @@ def _report(strategy_name, region, kept, dropped, offloader):
     report.transfer_flops = prediction.transfer_flops
     report.peak_at = prediction.peak_at
     report.recompute_flops = prediction.recompute_flops
+    report.deferred_gradients = prediction.deferred_gradients
     report.forward_flops = prediction.forward_flops
     if (prediction.peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline.peak_bytes
             and not _always_rewrite()):
@@ -425,11 +426,18 @@ class _Rewrite:
         self.under_xla = _tf_private.in_xla_context(ys[0].graph)
         self.offloader = offloader
         self.triggers = []  # each segment's trigger ops, in the order the backward runs them
+        # Weight gradients made after the last segment (StepGraph.deferred): per segment,
+        # the op sets that make them, and the segment's other gradient ops. Under
+        # gate_gradients a weight's gradient is grouped with its input's, so none is.
+        self.step_graph = planner.model_of(region).graph
+        self.defer = bool(self.step_graph.deferred) and not options.passed.get("gate_gradients")
+        self.deferred_cones, self.other_gradient_ops = [], []
 
     def run(self):
         self._last_segment()
         for group in reversed(self._checkpoint_groups()):
             self._earlier_segment(group)
+        self._defer_weight_gradients()
         result = self._gradients_of_xs()
         self.report.offload_moved_bytes = self.offloader.moved_bytes
         return result
@@ -483,15 +491,17 @@ class _Rewrite:
             copied_ys = [copy.transformed(y) for y in seg_ys]
             stop = [copy.transformed(t) for t in self.options.stop if copy.transformed(t) is not None]
             locals_ = [replacements[t] for t in local_inputs]
+            made_before = max(_tf_private.creation_index(t.op) for t in copied_ys + locals_)
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
+            deferred = self._deferred_cones(ops, local_inputs, grads, made_before)
             if gate is not None:
                 # The gradients leave the segment materialised too: XLA would otherwise
                 # fuse their last elementwise ops into the next segments' readers and keep
                 # this segment's activations alive until then.
                 grads = [_gated(g, gate) for g in grads]
             if self.serialize_conv_gradients:
-                _serialize_conv_gradients(copy.ops)
+                _serialize_conv_gradients(copy.ops, deferred)
         for t, g in zip(local_inputs, grads):
             if g is not None:
                 self._add(t, g)
@@ -500,6 +510,56 @@ class _Rewrite:
             recomputed_bytes=sum(estimated_bytes(t) for op in copy.ops for t in op.outputs)))
         logger.debug("memsave: %s recomputes %d ops ending at %s", label, len(copy),
                      [y.name for y in seg_ys])
+
+    def _deferred_cones(self, ops, local_inputs, grads, made_before):
+        """The ops that make this segment's deferred weight gradients (one set per
+        gradient: the ops made by its tf.gradients call that nothing else reads), and
+        the segment's other gradient ops; returns all the deferred ops."""
+        cones = []
+        if self.defer:
+            members = {self.step_graph.op_id.get(op) for op in ops}
+            for t, g in zip(local_inputs, grads):
+                if isinstance(g, tf.Tensor) and self._deferred_in(t, members):
+                    cone = _exclusive_cone(g.op, made_before)
+                    if cone:
+                        cones.append(cone)
+        deferred = set().union(*cones)
+        self.deferred_cones.append(cones)
+        self.other_gradient_ops.append(
+            [g.op for g in grads if g is not None and g.op not in deferred])
+        return deferred
+
+    def _deferred_in(self, t, members):
+        """Whether the memory model defers the gradient of `t` from every op of the
+        segment (`members`, op ids) that reads it."""
+        graph = self.step_graph
+        tid = graph.tensor_id.get((t.op, t.value_index))
+        if tid is None:
+            return False
+        readers = [op for op in graph.consumers[tid] if op in members]
+        return bool(readers) and all(
+            any(d == tid for d, _ in graph.deferred.get(op, ())) for op in readers)
+
+    def _defer_weight_gradients(self):
+        """Makes the deferred weight gradients wait for the backward pass of the last
+        segment built (the first in the forward pass): its other gradients, or, where
+        it has none, what its own deferred gradients read."""
+        self.report.deferred_gradients = 0
+        if not any(self.deferred_cones):
+            return
+        last_cones = self.deferred_cones[-1]
+        trigger = self.other_gradient_ops[-1] or list(dict.fromkeys(
+            t.op for cone in last_cones for op in cone for t in op.inputs if t.op not in cone))
+        if not trigger:
+            return
+        count = 0
+        for cones in self.deferred_cones[:-1]:
+            for cone in cones:
+                for op in cone:
+                    if not any(t.op in cone for t in op.inputs):
+                        _tf_private.add_control_inputs(op, trigger)
+                count += 1
+        self.report.deferred_gradients = count + len(last_cones)
 
     def _source_of(self, t):
         """Where a segment reads input `t` from: an offloaded checkpoint's copy back, which
@@ -589,20 +649,44 @@ class _Rewrite:
         return result
 
 
-def _serialize_conv_gradients(copied_ops):
+def _serialize_conv_gradients(copied_ops, deferred=frozenset()):
     """Makes the Conv2DBackpropInput of each copied Conv2D wait for its
-    Conv2DBackpropFilter. The two read the convolution's input and filter and the
+    Conv2DBackpropFilter, unless that one is deferred (it runs after the last
+    segment). The two read the convolution's input and filter and the
     same incoming gradient, so they are found among those tensors' consumers."""
     for op in copied_ops:
         if op.type != "Conv2D":
             continue
         filter_grads = {tensor_key(c.inputs[2]): c for c in op.inputs[0].consumers()
-                        if c.type == "Conv2DBackpropFilter"}
+                        if c.type == "Conv2DBackpropFilter" and c not in deferred}
         for consumer in op.inputs[1].consumers():
             if consumer.type == "Conv2DBackpropInput":
                 partner = filter_grads.get(tensor_key(consumer.inputs[2]))
                 if partner is not None:
                     _tf_private.add_control_inputs(consumer, [partner])
+
+
+def _exclusive_cone(op, made_before):
+    """`op` and the ops made after index `made_before` that only `op` needs: those
+    whose every output, and every control output, is read only within the set.
+
+    Returns the set, or an empty one where `op` itself is read by something else
+    through a control input or lives in a v1 control-flow frame (a control input
+    from outside the frame would be invalid)."""
+    if _tf_private.control_outputs(op) or _tf_private.control_flow_context(op) is not None:
+        return set()
+    cone, stack = {op}, [op]
+    while stack:
+        for t in stack.pop().inputs:
+            p = t.op
+            if (p in cone or _tf_private.creation_index(p) <= made_before
+                    or _tf_private.control_flow_context(p) is not None):
+                continue
+            if (all(c in cone for out in p.outputs for c in out.consumers())
+                    and all(c in cone for c in _tf_private.control_outputs(p))):
+                cone.add(p)
+                stack.append(p)
+    return cone
 
 
 def _local_input(t, gate=None):

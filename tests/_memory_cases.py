@@ -145,6 +145,43 @@ def layer_norm_mlp(mode, blocks=12, rows=4096, width=128, jit=False):
     return _measure(step, x)
 
 
+def trunk_and_wide_head(mode, defer=True, batch=16, blocks=6, head=3, width=1024):
+    """A convolutional trunk with large activations and small weights (ReLU blocks at
+    64x64x8) under a dense head with large weights and small activations (`head`
+    1024x1024 layers), as in a classifier: by the trunk's backward pass the head's
+    weight gradients are made. defer=False: the rewrite makes every weight gradient
+    where tf.gradients does (memsave.planner.graph.StepGraph.deferred left empty)."""
+    if not defer:
+        from memsave.planner.graph import StepGraph
+        StepGraph._find_deferred = lambda self: None
+    seeds = iter(range(1000))
+
+    def normal(shape, scale=1.0):
+        # Made by TensorFlow, so the allocator holds it: a tensor made from a numpy
+        # array may share the array's memory, uncounted, depending on its alignment.
+        return tf.random.stateless_normal(shape, [next(seeds), 0]) * scale
+
+    def variable(shape, scale):
+        return tf.Variable(normal(shape, scale))
+
+    convs = [variable([3, 3, 8, 8], 0.15) for _ in range(blocks)]
+    dense = [variable([8, width], 0.3)] + [variable([width, width], 1 / np.sqrt(width))
+                                           for _ in range(head)]
+    weights = convs + dense
+
+    @tf.function
+    def step(images):
+        h = images
+        for w in convs:
+            h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
+        h = tf.reduce_mean(h, axis=[1, 2])
+        for w in dense:
+            h = tf.tanh(tf.matmul(h, w))
+        return _gradient_fn(mode, [])(tf.reduce_mean(h * h), weights)
+
+    return _measure(step, normal([batch, 64, 64, 8]))
+
+
 def capped(case, limit_mb, **kwargs):
     """`case` run under the CPU allocator's cap of `limit_mb` (the caller sets
     TF_CPU_BFC_MEM_LIMIT_IN_MB to it), the cap reserved first as one region, as a GPU's

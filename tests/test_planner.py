@@ -472,3 +472,100 @@ def test_unknown_dimensions_are_counted_as_the_size_the_user_gives():
     assert given.baseline_peak_bytes >= 11 * 64 * row
     assert budgeted.unknown_dim_size == 64
     assert budgeted.predicted_peak_bytes <= 0.6 * given.baseline_peak_bytes
+
+
+def _trunk_and_wide_head():
+    """x -> tanh^3 (S each) -> mean over rows [1, 256] -> matmul with a [256, 1024]
+    weight (4 S) -> tanh -> sum, in a v1 graph. The weight's gradient (4 S) is far
+    larger than what it reads (the 1 KB mean and the 4 KB gradient of the matmul)."""
+    x = tf.compat.v1.placeholder(tf.float32, [256, 256], name="x")
+    w = tf.Variable(tf.random.stateless_normal([256, 1024], [1, 2]) * 0.05, name="w")
+    h = x
+    for _ in range(3):
+        h = tf.tanh(h)
+    z = tf.reduce_mean(h, axis=0, keepdims=True)
+    product = tf.matmul(z, w)
+    loss = tf.reduce_sum(tf.tanh(product))
+    return x, w, h, product, loss
+
+
+def test_a_weight_gradient_larger_than_what_it_reads_is_made_last():
+    with tf.Graph().as_default():
+        x, w, h, product, loss = _trunk_and_wide_head()
+        model = planner.model_of(ForwardRegion.build([loss], [x, w.handle]))
+        graph = model.graph
+        found = dict(graph.deferred)
+        weight_read = graph.id_of(product.op.inputs[1])
+        deferred = model.predict(_ids(model, [h]))
+        graph.deferred.clear()
+        model._predictions.clear()
+        made_at_once = model.predict(_ids(model, [h]))
+    assert found == {graph.op_id[product.op]: [(weight_read, 4 * S)]}
+    assert deferred.deferred_gradients == 1
+    # Resident: x (S), w (4 S) and 12 bytes of constants. In the second segment's
+    # backward (the peak): its three recomputed tanh outputs and the incoming and outgoing
+    # gradient of the last tanh (5 S); made at once, also the weight's gradient (4 S);
+    # made last, instead the mean and the matmul's incoming gradient (1 + 4 KB).
+    assert made_at_once.peak_bytes == 14 * S + 12
+    assert deferred.peak_bytes == 10 * S + 12 + 1024 + 4096
+    assert deferred.peak_at == "backward of segment 2 of 2, gradient of Tanh_2"
+
+
+def test_the_rewrite_makes_deferred_weight_gradients_after_the_last_segment():
+    graph = tf.Graph()
+    with graph.as_default():
+        x, w, h, product, loss = _trunk_and_wide_head()
+        expected = tf.gradients(loss, [x, w])
+        got = memsave.gradients(loss, [x, w], checkpoints=[h])
+        report = memsave.last_report()
+        weight_gradients = [op for op in graph.get_operations()
+                            if op.type == "MatMul" and op.get_attr("transpose_a")
+                            and "memsave" in op.name]
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.default_rng(3).standard_normal([256, 256]).astype(np.float32)}
+            want, have = session.run([expected, got], feed)
+    assert report.deferred_gradients == 1
+    assert "1 weight gradients made after the last segment" in report.summary()
+    # It waits for the gradients of the first segment (x's), made after its own.
+    [weight_gradient] = weight_gradients
+    assert any("segment_" in c.name for c in weight_gradient.control_inputs), \
+        [c.name for c in weight_gradient.control_inputs]
+    for a, b in zip(want, have):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_deferred_filter_gradient_is_not_waited_for_by_its_input_gradient(monkeypatch):
+    # With TensorFlow's own conv kernels the rewrite runs a convolution's input
+    # gradient after its filter gradient; a deferred filter gradient must not hold it.
+    from memsave.graph import _tf_private
+    monkeypatch.setattr(_tf_private, "onednn_enabled", lambda: False)
+    rng = np.random.default_rng(0)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 16, 16, 8])
+        h = x
+        for _ in range(4):
+            h = tf.nn.relu(tf.nn.conv2d(
+                h, tf.constant(rng.standard_normal([3, 3, 8, 8]).astype(np.float32) * 0.2),
+                1, "SAME"))
+        h = tf.nn.avg_pool2d(h, 4, 4, "VALID")
+        wide = tf.Variable(rng.standard_normal([3, 3, 8, 512]).astype(np.float32) * 0.1)
+        head = tf.Variable(rng.standard_normal([3, 3, 512, 512]).astype(np.float32) * 0.02)
+        h = tf.nn.conv2d(tf.nn.relu(tf.nn.conv2d(h, wide, 1, "SAME")), head, 1, "SAME")
+        loss = tf.reduce_sum(h * h)
+        expected = tf.gradients(loss, [x, wide, head])
+        got = memsave.gradients(loss, [x, wide, head], checkpoints="memory")
+        deferred = memsave.last_report().deferred_gradients
+        filter_grads = [op for op in graph.get_operations() if op.type == "Conv2DBackpropFilter"
+                        and op.outputs[0].shape.as_list() == [3, 3, 512, 512] and "memsave" in op.name]
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: rng.standard_normal([4, 16, 16, 8]).astype(np.float32)}
+            want, have = session.run([expected, got], feed)
+    assert deferred >= 1
+    [head_filter_grad] = filter_grads
+    assert head_filter_grad.control_inputs
+    assert not _tf_private.control_outputs(head_filter_grad)
+    for a, b in zip(want, have):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)

@@ -24,6 +24,12 @@ def add_control_inputs(op, control_ops):
         op._add_control_inputs(new)
 
 
+def creation_index(op):
+    """A number that grows with every op its graph creates: ops made after `op` have
+    larger ones."""
+    return op._id
+
+
 def colocate(op, with_op):
     """Puts `op` in `with_op`'s colocation groups: the `_class` attribute the placer reads,
     and that gradient ops built under `colocate_with(op)` inherit."""

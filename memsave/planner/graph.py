@@ -53,6 +53,10 @@ class StepGraph:
         machine's matmuls/convolutions), without the per-op overhead.
       costs: the Costs those come from (the one active when the step was built).
       is_x, is_y: per tensor, booleans.
+      deferred: op id -> the (tensor id, gradient bytes) of its gradient that the
+        rewrite computes last, after every segment's backward pass (see
+        `_find_deferred`); empty under XLA, which ignores the control inputs
+        that would defer them.
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
     """
@@ -68,6 +72,7 @@ class StepGraph:
         self.unknown_dim_size = 1
         self.conv_threads = 0
         self.rewrite_grad_temporaries = {}
+        self.deferred = {}
         self.costs = costs.active()
 
     @classmethod
@@ -87,6 +92,8 @@ class StepGraph:
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
         step._link(region)
+        if region.ys and not _tf_private.in_xla_context(region.ys[0].graph):
+            step._find_deferred()
         return step
 
     # -- construction ------------------------------------------------------------------
@@ -171,6 +178,39 @@ class StepGraph:
             self.grad_temporaries[index] += for_filter + for_input
             self.rewrite_grad_temporaries[index] = (self.grad_temporaries[index]
                                                     - min(for_filter, for_input))
+
+    def _find_deferred(self):
+        """Gradients worth computing last: a weight's gradient that is larger than what
+        computing it reads.
+
+        A gradient that leaves the graph where it is made (a variable's, or an x's) is
+        only read at the end of the step, so once made it is held through the rest of
+        the backward pass. If it is larger than the tensors its op reads to make it
+        (the op's forward inputs and outputs' gradients, apart from weights, which
+        are held anyway), the step holds less by keeping those and making it after the
+        last segment: e.g. a 3x3 convolution of 512 channels at 3x3 pixels, whose
+        filter gradient is 9.4 MB and whose input and output gradient are 0.3 MB each.
+        """
+        for op, pairs in enumerate(self.grad_inputs):
+            if self.kind[op] != REGION:
+                continue
+            held = sum(self.size[self.buffer_of(t)] for t in self.grad_reads[op]
+                       if self.kind[self.producer[self.buffer_of(t)]] != RESIDENT)
+            held += sum(self.size[t] for t in self.outputs[op])
+            deferred = [(tid, nbytes) for tid, nbytes in pairs
+                        if self._leaves_graph(tid) and nbytes > held]
+            if deferred:
+                self.deferred[op] = deferred
+
+    def _leaves_graph(self, tid):
+        """Whether the gradient of `tid` is read by nothing but the step's result: `tid`
+        is an x, or a variable's value read by an op that is not recomputed."""
+        if self.is_x[tid]:
+            return True
+        producer = self.producer[tid]
+        return (self.kind[producer] == KEPT and bool(self.inputs[producer])
+                and all(self.kind[self.producer[t]] == RESIDENT
+                        for t in self.inputs[producer]))
 
     # -- queries -----------------------------------------------------------------------
     def buffer_of(self, tid):

@@ -57,6 +57,7 @@ class Prediction:
       moved_bytes: bytes copied to the host and back per step.
       transfer_flops: what those copies cost the step, in FLOPs
         (memsave.planner.costs.transfer_flops).
+      deferred_gradients: gradients made after the last segment (StepGraph.deferred).
     """
     peak_bytes: int
     resident_bytes: int
@@ -69,6 +70,7 @@ class Prediction:
     host_bytes: int = 0
     moved_bytes: int = 0
     transfer_flops: int = 0
+    deferred_gradients: int = 0
 
     @property
     def cost_flops(self):
@@ -239,13 +241,13 @@ class MemoryModel:
         for tid, is_y in enumerate(graph.is_y):
             if is_y:
                 gradients.seed(tid, start)
-        recompute, back = 0, []
+        recompute, back, deferred = 0, [], 0
         if segmentation is None:
             for op in self._backward_order(self.path_ops):
                 self._gradient_step(op, forward, gradients, timeline, ("backward", op, None))
         else:
-            recompute, back = self._segments(segmentation, forward, gradients, timeline,
-                                             offloaded, prefetch)
+            recompute, back, deferred = self._segments(
+                segmentation, forward, gradients, timeline, offloaded, prefetch)
         out_bytes = sum(graph.size[t] for t in offloaded)
         back_bytes = sum(graph.size[t] for t in back)
         peak, at = timeline.peak()
@@ -260,7 +262,8 @@ class MemoryModel:
             host_bytes=out_bytes, moved_bytes=out_bytes + back_bytes,
             transfer_flops=costs.transfer_flops(
                 out_bytes, back_bytes, len(offloaded) + len(back), self.forward_flops,
-                flops_per_byte, graph.costs.op_overhead) if offloaded else 0)
+                flops_per_byte, graph.costs.op_overhead) if offloaded else 0,
+            deferred_gradients=deferred)
 
     def _forward(self, timeline):
         """Runs every forward op; returns the buffer of each tensor."""
@@ -280,30 +283,53 @@ class MemoryModel:
                         _FOREVER if kind == RESIDENT else None)
         return buffers
 
-    def _gradient_step(self, op, buffers, gradients, timeline, label):
+    def _gradient_step(self, op, buffers, gradients, timeline, label, deferred=None):
+        """One op's gradient. In a segment of the rewrite (`deferred` a list), the
+        contributions the rewrite makes last (StepGraph.deferred) are left out and
+        appended to `deferred` with the buffers they keep alive until then."""
         graph = self.graph
         step = timeline.step(label)
         incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
-        for tid in graph.grad_reads[op]:
-            timeline.use(buffers[tid], step)
+        reads = [buffers[tid] for tid in graph.grad_reads[op]]
+        for buffer in reads:
+            timeline.use(buffer, step)
         temporaries = graph.grad_temporaries[op]
-        if label[0] == "backward" and label[2] is not None:  # a segment of the rewrite
+        later = ()
+        if deferred is not None:  # a segment of the rewrite
             temporaries = graph.rewrite_grad_temporaries.get(op, temporaries)
+            later = graph.deferred.get(op, ())
+            if later:
+                deferred.append((op, later, reads + incoming, temporaries))
         if temporaries:
             timeline.buffer(step, temporaries, "gradients")
         aliased = graph.alias_of[graph.outputs[op][0]] >= 0 if graph.outputs[op] else False
         for tid, nbytes in graph.grad_inputs[op]:
+            if later and (tid, nbytes) in later:
+                continue
             shares = incoming[0] if aliased and incoming and incoming[0] is not None else None
             gradients.contribute(tid, nbytes, step, shares)
 
+    def _deferred_steps(self, deferred, gradients, timeline):
+        """The gradients the rewrite makes after every segment, in the order it made
+        their segments' backward passes; each keeps what it reads alive until then."""
+        for op, pairs, held, temporaries in deferred:
+            step = timeline.step(("deferred", op, None))
+            for buffer in held:
+                timeline.use(buffer, step)
+            if temporaries:
+                timeline.buffer(step, temporaries, "gradients")
+            for tid, nbytes in pairs:
+                gradients.contribute(tid, nbytes, step)
+
     def _segments(self, segmentation, forward, gradients, timeline, offloaded=frozenset(),
                   prefetch=1):
-        """Each segment: its recomputation, then its backward. Returns the recompute
-        FLOPs and the offloaded checkpoints copied back (once per segment reading one).
+        """Each segment: its recomputation, then its backward; then the deferred weight
+        gradients. Returns the recompute FLOPs, the offloaded checkpoints copied back
+        (once per segment reading one), and the deferred gradient steps.
         An offloaded checkpoint a segment reads comes back into a buffer of its own from
         the start of the segment `prefetch` segments earlier (memsave.offload)."""
         graph, recompute = self.graph, 0
-        starts, back = [], []
+        starts, back, deferred = [], [], []
         for index, head in enumerate(segmentation.order):
             ops = segmentation.ops[head]
             executed = segmentation.executed(head)
@@ -330,10 +356,12 @@ class MemoryModel:
                         local[tid] = timeline.buffer(step, graph.size[tid], "recomputed")
             view = _Overlay(local, forward)
             for op in self._backward_order(ops):
-                self._gradient_step(op, view, gradients, timeline, ("backward", op, index))
+                self._gradient_step(op, view, gradients, timeline, ("backward", op, index),
+                                    deferred)
+        self._deferred_steps(deferred, gradients, timeline)
         for op in reversed(segmentation.final_ops):
             self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
-        return recompute, back
+        return recompute, back, len(deferred)
 
     def _offloaded_reads(self, ops, executed, offloaded):
         """The offloaded checkpoints a segment's recomputation or backward reads."""
@@ -388,6 +416,8 @@ class MemoryModel:
             return f"forward pass, at {name}"
         if phase == "final":
             return f"gradients through ops that are not recomputed, at {name}"
+        if phase == "deferred":
+            return f"weight gradients made after the last segment, at {name}"
         if segmentation is None or index is None:
             return f"backward pass, gradient of {name}"
         where = f"segment {index + 1} of {len(segmentation.order)}"
