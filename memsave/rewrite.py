@@ -518,9 +518,12 @@ class _Rewrite:
         cones = []
         if self.defer:
             members = {self.step_graph.op_id.get(op) for op in ops}
+            # The segment's gradients are read later, by segments not yet built: no op
+            # making one may wait, but the deferred one's own.
+            returned = TensorSet(g for g in grads if isinstance(g, tf.Tensor))
             for t, g in zip(local_inputs, grads):
                 if isinstance(g, tf.Tensor) and self._deferred_in(t, members):
-                    cone = _exclusive_cone(g.op, made_before)
+                    cone = _exclusive_cone(g, made_before, returned)
                     if cone:
                         cones.append(cone)
         deferred = set().union(*cones)
@@ -666,21 +669,27 @@ def _serialize_conv_gradients(copied_ops, deferred=frozenset()):
                     _tf_private.add_control_inputs(consumer, [partner])
 
 
-def _exclusive_cone(op, made_before):
-    """`op` and the ops made after index `made_before` that only `op` needs: those
-    whose every output, and every control output, is read only within the set.
+def _exclusive_cone(gradient, made_before, returned):
+    """The op making `gradient` and the ops made after index `made_before` that only it
+    needs: those whose every output, and every control output, is read only within
+    the set, and that make none of the tensors in `returned` (a TensorSet of
+    gradients that later segments will read).
 
-    Returns the set, or an empty one where `op` itself is read by something else
-    through a control input or lives in a v1 control-flow frame (a control input
-    from outside the frame would be invalid)."""
-    if _tf_private.control_outputs(op) or _tf_private.control_flow_context(op) is not None:
+    Returns the set, or an empty one where the op makes another of `returned`, is read
+    by something else through a control input, or lives in a v1 control-flow frame (a
+    control input from outside the frame would be invalid)."""
+    op = gradient.op
+    if (any(t in returned for t in op.outputs if t.value_index != gradient.value_index)
+            or _tf_private.control_outputs(op)
+            or _tf_private.control_flow_context(op) is not None):
         return set()
     cone, stack = {op}, [op]
     while stack:
         for t in stack.pop().inputs:
             p = t.op
             if (p in cone or _tf_private.creation_index(p) <= made_before
-                    or _tf_private.control_flow_context(p) is not None):
+                    or _tf_private.control_flow_context(p) is not None
+                    or any(out in returned for out in p.outputs)):
                 continue
             if (all(c in cone for out in p.outputs for c in out.consumers())
                     and all(c in cone for c in _tf_private.control_outputs(p))):

@@ -569,3 +569,26 @@ def test_a_deferred_filter_gradient_is_not_waited_for_by_its_input_gradient(monk
     assert not _tf_private.control_outputs(head_filter_grad)
     for a, b in zip(want, have):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_a_deferred_gradient_never_holds_back_a_gradient_later_segments_read():
+    # The bias's gradient (a reduction of the add's incoming gradient, cast back to
+    # float64: larger than the cast's float32 output) is deferred; that incoming
+    # gradient is also the checkpoint's, which the first segment reads later.
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 64])
+        w = tf.Variable(tf.random.stateless_normal([64, 64], [4, 0]) * 0.1)
+        b = tf.Variable(tf.random.stateless_normal([64], [5, 0], dtype=tf.float64))
+        checkpoint = tf.matmul(tf.tanh(x), w)
+        loss = tf.reduce_sum(tf.tanh(checkpoint + tf.cast(b, tf.float32)))
+        expected = tf.gradients(loss, [w, b])
+        got = memsave.gradients(loss, [w, b], checkpoints=[checkpoint])
+        deferred = memsave.last_report().deferred_gradients
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            feed = {x: np.random.default_rng(5).standard_normal([64, 64]).astype(np.float32)}
+            want, have = session.run([expected, got], feed)
+    assert deferred == 1
+    for a, b in zip(want, have):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
