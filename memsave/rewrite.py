@@ -626,10 +626,32 @@ class _Rewrite:
         return [groups[op] for op in sorted(groups, key=self.region.position.__getitem__)]
 
     # -- step 7 ----------------------------------------------------------------------
+    def _add_variable_reads(self, kept, per_x):
+        """Adds the gradient of each read of a variable that is one of the xs to that x's
+        contributions, as tf.gradients does (a read's gradient is the variable's); returns
+        the other kept tensors, whose gradients the final call pushes through their ops.
+        A training step reads thousands of variables: the final call would otherwise
+        build an identity and a gradient op for each."""
+        positions = TensorMap()
+        for i, x in enumerate(self.xs):
+            if x.dtype == tf.resource:
+                positions[x] = positions.get(x, []) + [i]
+        others = []
+        for t in kept:
+            handle = t.op.inputs[0] if t.op.type == "ReadVariableOp" else None
+            if handle is None or handle not in positions:
+                others.append(t)
+                continue
+            gradient = self._summed(t, self.pending_of(t))
+            for i in positions[handle]:
+                per_x[i].append(gradient)
+        return others
+
     def _gradients_of_xs(self):
         per_x = [list(self.pending_of(x)) for x in self.xs]
         kept = [t for t in self.pending.keys()
                 if not self.region.is_x(t) and t not in self.checkpoints and t not in self.options.stop]
+        kept = self._add_variable_reads(kept, per_x)
         # An x computed from another x passes its gradient on to that x (as in
         # tf.gradients); as a y of the final call its result is its own total.
         inner_xs = [t for t in self.pending.keys() if self.region.is_x(t)

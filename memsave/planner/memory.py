@@ -21,7 +21,9 @@ extend that buffer instead of allocating. The order is the one the rewrite
 enforces: the whole forward pass, then segment by segment (last first) the
 segment's recomputation followed by its backward pass, whose gradient steps run
 as an executor runs them: each once its incoming gradients are complete, first
-come first served, so the backward passes of parallel branches interleave. The peak is the largest
+come first served, so the backward passes of parallel branches interleave; then
+the weight gradients the rewrite makes last (StepGraph.deferred: each larger than
+what it reads, which stays alive until then). The peak is the largest
 sum of live buffers over all steps, counting an op's inputs and outputs at once.
 """
 
