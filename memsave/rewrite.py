@@ -13,13 +13,17 @@
    differentiated with the accumulated gradient of their checkpoints;
 6. copies wait, through control inputs, for what must come first (the forward
    ys, or the gradient of their checkpoints), or they would run during the
-   forward pass and nothing would be saved;
-7. gradients of the xs are summed, kept sparse where possible.
+   forward pass and nothing would be saved; weight gradients larger than what
+   they read (StepGraph.deferred) wait for the last segment's backward pass, so
+   they are not held through it;
+7. gradients of the xs are summed, kept sparse where possible; a variable
+   read's gradient is its variable's.
 
 Tensors that depend on the xs but cannot be recomputed (variable reads, random
 draws, control flow: see memsave.region) are read by the copies through a
 segment-local identity too; their gradients are collected and pushed
-through the original ops to the xs in one final `tf.gradients` call. Keeping
+through the original ops to the xs in one final `tf.gradients` call (variable
+reads of the xs need none: their gradients are the variables'). Keeping
 every segment's inputs local also keeps each per-segment `tf.gradients` call
 proportional to its segment, not to the whole graph.
 """

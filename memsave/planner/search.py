@@ -74,6 +74,8 @@ class Candidates:
                 if stop > start:
                     self.intervals.append((tid, start, stop))
                     self.tensors.append(tid)
+        self._starts = np.array([start for _, start, _ in self.intervals], dtype=np.int64)
+        self._stops = np.array([stop for _, _, stop in self.intervals], dtype=np.int64)
         self.n_cuts = max(n - 1, 0)
         diff = np.zeros(self.n_cuts + 1, dtype=np.int64)
         produced = np.zeros(max(n, 1), dtype=np.int64)
@@ -90,12 +92,12 @@ class Candidates:
         if not cuts:
             return []
         cuts = np.asarray(cuts)
-        result = []
-        for tid, start, stop in self.intervals:
-            index = np.searchsorted(cuts, start)
-            if index < len(cuts) and cuts[index] < stop:
-                result.append(tid)
-        return result
+        # For each interval, the first cut at or after its start; it crosses one if that
+        # cut comes before its stop.
+        index = np.searchsorted(cuts, self._starts)
+        found = index < len(cuts)
+        found[found] = cuts[index[found]] < self._stops[found]
+        return [self.intervals[i][0] for i in np.flatnonzero(found)]
 
     def greedy_cuts(self, segment_bytes):
         """Cuts made whenever a segment's activations would pass `segment_bytes`,
