@@ -592,3 +592,15 @@ def test_a_deferred_gradient_never_holds_back_a_gradient_later_segments_read():
     assert deferred == 1
     for a, b in zip(want, have):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_gradient_is_deferred_only_where_every_reader_and_a_dense_gradient_allow():
+    with tf.Graph().as_default():
+        x, w, h, product, loss = _trunk_and_wide_head()
+        value = product.op.inputs[1]  # the matmul's read of w
+        penalty = tf.reduce_sum(value * value)  # a second reader, whose output is w's size
+        table = tf.Variable(tf.zeros([4096, 64]))
+        rows = tf.gather(table, tf.constant([0, 1]))  # a sparse gradient: the rows read
+        total = loss + penalty + tf.reduce_sum(rows * tf.reduce_mean(h))
+        graph = planner.model_of(ForwardRegion.build([total], [x, w.handle, table.handle])).graph
+    assert graph.deferred == {}

@@ -190,17 +190,30 @@ class StepGraph:
         are held anyway), the step holds less by keeping those and making it after the
         last segment: e.g. a 3x3 convolution of 512 channels at 3x3 pixels, whose
         filter gradient is 9.4 MB and whose input and output gradient are 0.3 MB each.
+        Only where every op reading the tensor qualifies, and never for a sparse
+        gradient (a gather's), which is as small as the rows it reads.
         """
+        worth = {}  # tensor id -> ops whose gradient of it is worth deferring
         for op, pairs in enumerate(self.grad_inputs):
             if self.kind[op] != REGION:
                 continue
             held = sum(self.size[self.buffer_of(t)] for t in self.grad_reads[op]
                        if self.kind[self.producer[self.buffer_of(t)]] != RESIDENT)
             held += sum(self.size[t] for t in self.outputs[op])
-            deferred = [(tid, nbytes) for tid, nbytes in pairs
-                        if self._leaves_graph(tid) and nbytes > held]
-            if deferred:
-                self.deferred[op] = deferred
+            sparse = opinfo.SPARSE_GRADIENT_INPUTS.get(self.ops[op].type, ())
+            for tid, nbytes in pairs:
+                dense = all(self.inputs[op][i] != tid for i in sparse
+                            if i < len(self.inputs[op]))
+                if dense and nbytes > held and self._leaves_graph(tid):
+                    worth.setdefault(tid, []).append((op, nbytes))
+        # The rewrite defers a tensor's gradient as a whole (one sum per segment), so
+        # only where every op reading it would.
+        for tid, found in worth.items():
+            readers = {op for op in self.consumers[tid] if self.kind[op] == REGION
+                       and any(t == tid for t, _ in self.grad_inputs[op])}
+            if readers == {op for op, _ in found}:
+                for op, nbytes in found:
+                    self.deferred.setdefault(op, []).append((tid, nbytes))
 
     def _leaves_graph(self, tid):
         """Whether the gradient of `tid` is read by nothing but the step's result: `tid`

@@ -54,6 +54,10 @@ _READS = {
 }
 _READS.update({t: ((), ()) for t in _READS_NOTHING if t not in _READS})
 
+# Ops whose gradient with respect to these inputs is sparse (tf.IndexedSlices): the rows
+# read, not the whole input.
+SPARSE_GRADIENT_INPUTS = {"GatherV2": (0,), "Gather": (0,)}
+
 # Gradients that, for an input broadcast against a larger output, first compute an
 # output-sized product and then reduce it: how many such temporaries at once.
 _BROADCAST_TEMPORARIES = {
