@@ -435,7 +435,7 @@ class _Rewrite:
         # gate_gradients a weight's gradient is grouped with its input's, so none is.
         self.step_graph = planner.model_of(region).graph
         self.defer = bool(self.step_graph.deferred) and not options.passed.get("gate_gradients")
-        self.deferred_cones, self.other_gradient_ops = [], []
+        self.deferred_cones, self.other_gradients = [], []
 
     def run(self):
         self._last_segment()
@@ -532,8 +532,8 @@ class _Rewrite:
                         cones.append(cone)
         deferred = set().union(*cones)
         self.deferred_cones.append(cones)
-        self.other_gradient_ops.append(
-            [g.op for g in grads if g is not None and g.op not in deferred])
+        self.other_gradients.append(
+            [g for g in grads if isinstance(g, tf.Tensor) and g.op not in deferred])
         return deferred
 
     def _deferred_in(self, t, members):
@@ -549,24 +549,42 @@ class _Rewrite:
 
     def _defer_weight_gradients(self):
         """Makes the deferred weight gradients wait for the backward pass of the last
-        segment built (the first in the forward pass): its other gradients, or, where
-        it has none, what its own deferred gradients read."""
+        segment built (the first in the forward pass): for its other gradients, or, where
+        it has none, for what its own deferred gradients read. Through control inputs;
+        under XLA, which drops those, by reading their inputs through a conditional on
+        a value computed from one of those tensors (as copies wait, see `_xla_gate`)."""
         self.report.deferred_gradients = 0
         if not any(self.deferred_cones):
             return
         last_cones = self.deferred_cones[-1]
-        trigger = self.other_gradient_ops[-1] or list(dict.fromkeys(
-            t.op for cone in last_cones for op in cone for t in op.inputs if t.op not in cone))
+        trigger = self.other_gradients[-1] or list(TensorSet(
+            t for cone in last_cones for op in cone for t in op.inputs if t.op not in cone))
+        trigger = [t for t in trigger if _is_number(t.dtype)]
         if not trigger:
             return
-        count = 0
-        for cones in self.deferred_cones[:-1]:
-            for cone in cones:
-                for op in cone:
-                    if not any(t.op in cone for t in op.inputs):
-                        _tf_private.add_control_inputs(op, trigger)
-                count += 1
+        wait = self._gate_inputs if self.under_xla else _wait_for
+        with tf.name_scope("deferred"):
+            # (a sum of 1s: it exists only once every trigger does)
+            gate = tf.add_n([_xla_gate(t) for t in trigger]) if self.under_xla else None
+            count = 0
+            for cones in self.deferred_cones[:-1]:
+                for cone in cones:
+                    wait(cone, gate if self.under_xla else [t.op for t in trigger])
+                    count += 1
         self.report.deferred_gradients = count + len(last_cones)
+
+    @staticmethod
+    def _gate_inputs(cone, gate):
+        """Under XLA: the ops of `cone` read what they read from outside it through a
+        conditional on `gate`, so XLA cannot run them before `gate` exists."""
+        gated = TensorMap()
+        for op in cone:
+            for index, t in enumerate(op.inputs):
+                if t.op in cone or not _is_number(t.dtype):
+                    continue
+                if t not in gated:
+                    gated[t] = _gated(t, gate, name="deferred_input")
+                _tf_private.update_input(op, index, gated[t])
 
     def _source_of(self, t):
         """Where a segment reads input `t` from: an offloaded checkpoint's copy back, which
@@ -693,6 +711,13 @@ def _serialize_conv_gradients(copied_ops, deferred=frozenset()):
                 partner = filter_grads.get(tensor_key(consumer.inputs[2]))
                 if partner is not None:
                     _tf_private.add_control_inputs(consumer, [partner])
+
+
+def _wait_for(cone, trigger_ops):
+    """The ops of `cone` that read nothing made within it wait for `trigger_ops`."""
+    for op in cone:
+        if not any(t.op in cone for t in op.inputs):
+            _tf_private.add_control_inputs(op, trigger_ops)
 
 
 def _exclusive_cone(gradient, made_before, returned):

@@ -145,7 +145,7 @@ def layer_norm_mlp(mode, blocks=12, rows=4096, width=128, jit=False):
     return _measure(step, x)
 
 
-def trunk_and_wide_head(mode, defer=True, batch=16, blocks=6, head=3, width=1024):
+def trunk_and_wide_head(mode, defer=True, batch=16, blocks=6, head=3, width=1024, jit=False):
     """A convolutional trunk with large activations and small weights (ReLU blocks at
     64x64x8) under a dense head with large weights and small activations (`head`
     1024x1024 layers), as in a classifier: by the trunk's backward pass the head's
@@ -169,7 +169,7 @@ def trunk_and_wide_head(mode, defer=True, batch=16, blocks=6, head=3, width=1024
                                            for _ in range(head)]
     weights = convs + dense
 
-    @tf.function
+    @tf.function(jit_compile=jit)
     def step(images):
         h = images
         for w in convs:

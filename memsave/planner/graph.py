@@ -55,8 +55,7 @@ class StepGraph:
       is_x, is_y: per tensor, booleans.
       deferred: op id -> the (tensor id, gradient bytes) of its gradient that the
         rewrite computes last, after every segment's backward pass (see
-        `_find_deferred`); empty under XLA, which ignores the control inputs
-        that would defer them.
+        `_find_deferred`).
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
     """
@@ -92,8 +91,7 @@ class StepGraph:
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
         step._link(region)
-        if region.ys and not _tf_private.in_xla_context(region.ys[0].graph):
-            step._find_deferred()
+        step._find_deferred()
         return step
 
     # -- construction ------------------------------------------------------------------
