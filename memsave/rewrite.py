@@ -575,12 +575,14 @@ class _Rewrite:
 
     @staticmethod
     def _gate_inputs(cone, gate):
-        """Under XLA: the ops of `cone` read what they read from outside it through a
-        conditional on `gate`, so XLA cannot run them before `gate` exists."""
+        """Under XLA: the ops of `cone` read the values they read from outside it through
+        a conditional on `gate`, so XLA cannot run them before `gate` exists. Integer
+        inputs are shapes and indices, which XLA needs as compile-time constants (a
+        filter gradient's filter sizes): not gated."""
         gated = TensorMap()
         for op in cone:
             for index, t in enumerate(op.inputs):
-                if t.op in cone or not _is_number(t.dtype):
+                if t.op in cone or not (t.dtype.is_floating or t.dtype.is_complex):
                     continue
                 if t not in gated:
                     gated[t] = _gated(t, gate, name="deferred_input")
