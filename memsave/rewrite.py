@@ -431,7 +431,7 @@ class _Rewrite:
         self.offloader = offloader
         self.triggers = []  # each segment's trigger ops, in the order the backward runs them
         # Weight gradients made after the last segment (StepGraph.deferred): per segment,
-        # the op sets that make them, and the segment's other gradient ops. Under
+        # the op sets that make them, and the segment's other gradients. Under
         # gate_gradients a weight's gradient is grouped with its input's, so none is.
         self.step_graph = planner.model_of(region).graph
         self.defer = bool(self.step_graph.deferred) and not options.passed.get("gate_gradients")
@@ -516,9 +516,9 @@ class _Rewrite:
                      [y.name for y in seg_ys])
 
     def _deferred_cones(self, ops, local_inputs, grads, made_before):
-        """The ops that make this segment's deferred weight gradients (one set per
-        gradient: the ops made by its tf.gradients call that nothing else reads), and
-        the segment's other gradient ops; returns all the deferred ops."""
+        """Records the ops that make this segment's deferred weight gradients (one set
+        per gradient: the ops made by its tf.gradients call that nothing else reads) and
+        the segment's other gradients; returns all the deferred ops."""
         cones = []
         if self.defer:
             members = {self.step_graph.op_id.get(op) for op in ops}
@@ -552,7 +552,7 @@ class _Rewrite:
         segment built (the first in the forward pass): for its other gradients, or, where
         it has none, for what its own deferred gradients read. Through control inputs;
         under XLA, which drops those, by reading their inputs through a conditional on
-        a value computed from one of those tensors (as copies wait, see `_xla_gate`)."""
+        a value computed from all of those tensors (as copies wait, see `_xla_gate`)."""
         self.report.deferred_gradients = 0
         if not any(self.deferred_cones):
             return
@@ -562,14 +562,16 @@ class _Rewrite:
         trigger = [t for t in trigger if _is_number(t.dtype)]
         if not trigger:
             return
-        wait = self._gate_inputs if self.under_xla else _wait_for
         with tf.name_scope("deferred"):
-            # (a sum of 1s: it exists only once every trigger does)
-            gate = tf.add_n([_xla_gate(t) for t in trigger]) if self.under_xla else None
+            if self.under_xla:
+                # (a sum of 1s: it exists only once every trigger does)
+                wait, after = self._gate_inputs, tf.add_n([_xla_gate(t) for t in trigger])
+            else:
+                wait, after = _wait_for, [t.op for t in trigger]
             count = 0
             for cones in self.deferred_cones[:-1]:
                 for cone in cones:
-                    wait(cone, gate if self.under_xla else [t.op for t in trigger])
+                    wait(cone, after)
                     count += 1
         self.report.deferred_gradients = count + len(last_cones)
 
