@@ -498,7 +498,7 @@ class _Rewrite:
             made_before = max(_tf_private.creation_index(t.op) for t in copied_ys + locals_)
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
-            deferred = self._deferred_cones(ops, local_inputs, grads, made_before)
+            deferred = self._deferred_cones(local_inputs, grads, made_before)
             if gate is not None:
                 # The gradients leave the segment materialised too: XLA would otherwise
                 # fuse their last elementwise ops into the next segments' readers and keep
@@ -515,18 +515,20 @@ class _Rewrite:
         logger.debug("memsave: %s recomputes %d ops ending at %s", label, len(copy),
                      [y.name for y in seg_ys])
 
-    def _deferred_cones(self, ops, local_inputs, grads, made_before):
+    def _deferred_cones(self, local_inputs, grads, made_before):
         """Records the ops that make this segment's deferred weight gradients (one set
         per gradient: the ops made by its tf.gradients call that nothing else reads) and
         the segment's other gradients; returns all the deferred ops."""
         cones = []
         if self.defer:
-            members = {self.step_graph.op_id.get(op) for op in ops}
+            deferred_tensors = self.step_graph.deferred_tensors
+            tensor_id = self.step_graph.tensor_id
             # The segment's gradients are read later, by segments not yet built: no op
             # making one may wait, but the deferred one's own.
             returned = TensorSet(g for g in grads if isinstance(g, tf.Tensor))
             for t, g in zip(local_inputs, grads):
-                if isinstance(g, tf.Tensor) and self._deferred_in(t, members):
+                if (isinstance(g, tf.Tensor)
+                        and tensor_id.get((t.op, t.value_index)) in deferred_tensors):
                     cone = _exclusive_cone(g, made_before, returned)
                     if cone:
                         cones.append(cone)
@@ -535,17 +537,6 @@ class _Rewrite:
         self.other_gradients.append(
             [g for g in grads if isinstance(g, tf.Tensor) and g.op not in deferred])
         return deferred
-
-    def _deferred_in(self, t, members):
-        """Whether the memory model defers the gradient of `t` from every op of the
-        segment (`members`, op ids) that reads it."""
-        graph = self.step_graph
-        tid = graph.tensor_id.get((t.op, t.value_index))
-        if tid is None:
-            return False
-        readers = [op for op in graph.consumers[tid] if op in members]
-        return bool(readers) and all(
-            any(d == tid for d, _ in graph.deferred.get(op, ())) for op in readers)
 
     def _defer_weight_gradients(self):
         """Makes the deferred weight gradients wait for the backward pass of the last

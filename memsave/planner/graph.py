@@ -56,6 +56,8 @@ class StepGraph:
       deferred: op id -> the (tensor id, gradient bytes) of its gradient that the
         rewrite computes last, after every segment's backward pass (see
         `_find_deferred`).
+      deferred_tensors: the tensor ids whose gradients those are (every op reading
+        one, that gives it a gradient, is in `deferred` for it).
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
     """
@@ -72,6 +74,7 @@ class StepGraph:
         self.conv_threads = 0
         self.rewrite_grad_temporaries = {}
         self.deferred = {}
+        self.deferred_tensors = set()
         self.costs = costs.active()
 
     @classmethod
@@ -210,6 +213,7 @@ class StepGraph:
             readers = {op for op in self.consumers[tid] if self.kind[op] == REGION
                        and any(t == tid for t, _ in self.grad_inputs[op])}
             if readers == {op for op, _ in found}:
+                self.deferred_tensors.add(tid)
                 for op, nbytes in found:
                     self.deferred.setdefault(op, []).append((tid, nbytes))
 
