@@ -47,8 +47,11 @@ class RewriteReport:
     Sizes are static estimates (unknown dimensions count as 1). Peaks are the
     memory model's (memsave.planner.memory): `predicted_peak_bytes` for this
     plan, `baseline_peak_bytes` for plain tf.gradients on the same step, both
-    including `resident_bytes` (inputs, constants, variables); `peak_at` says
-    where in the step the peak falls. `recompute_flops` is the estimated cost of
+    including `resident_bytes` (inputs, constants, variables); where TensorFlow's
+    allocator is BFC (GPUs; the CPU with TF_CPU_ALLOCATOR_USE_BFC=true) both are what
+    it holds, chunks rounded up as it hands them out (memsave.planner.allocator),
+    and `predicted_live_bytes` is the plan's peak of live tensors alone. `peak_at` says
+    where in the step the tensors' peak falls. `recompute_flops` is the estimated cost of
     the recomputed copies, `forward_flops` that of one forward pass of the region.
     `unknown_dims` tensors had unknown dimensions, counted as `unknown_dim_size`
     (see memsave.plan's and memsave.budget's `unknown_dim_size`). `offloaded` names
@@ -71,6 +74,7 @@ class RewriteReport:
     segments: List[SegmentInfo] = dataclasses.field(default_factory=list)
     fallback: Optional[str] = None
     predicted_peak_bytes: Optional[int] = None
+    predicted_live_bytes: Optional[int] = None
     peak_at: Optional[str] = None
     baseline_peak_bytes: Optional[int] = None
     baseline_peak_at: Optional[str] = None

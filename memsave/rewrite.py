@@ -264,17 +264,18 @@ def _report(strategy_name, region, kept, dropped, offloader):
     tf.gradients. Checkpoints `offloader` offloads count as host memory.
     """
     model = planner.model_of(region)
-    baseline = model.baseline()
+    baseline = model.baseline(allocator=True)
     report = report_lib.RewriteReport(
         strategy=strategy_name, region_ops=len(region),
         checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in kept],
         dropped=dropped,
         not_recomputable=[(op.name, why) for op, why in region.kept_ops],
-        baseline_peak_bytes=baseline.peak_bytes, baseline_peak_at=baseline.peak_at,
+        baseline_peak_bytes=baseline.device_peak_bytes, baseline_peak_at=baseline.peak_at,
         resident_bytes=baseline.resident_bytes, unknown_dims=len(model.graph.unknown_dims),
         unknown_dim_size=model.graph.unknown_dim_size)
     if not kept:
-        report.predicted_peak_bytes = baseline.peak_bytes
+        report.predicted_peak_bytes = baseline.device_peak_bytes
+        report.predicted_live_bytes = baseline.peak_bytes
         report.peak_at = baseline.peak_at
         report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
         return report
@@ -286,8 +287,10 @@ def _report(strategy_name, region, kept, dropped, offloader):
             offloaded.append(graph.id_of(c.tensor))
     options = offloader.options
     prediction = model.predict([graph.id_of(c.tensor) for c in kept], offloaded,
-                               *((options.prefetch, options.flops_per_byte) if offloaded else ()))
-    report.predicted_peak_bytes = prediction.peak_bytes
+                               *((options.prefetch, options.flops_per_byte) if offloaded else ()),
+                               allocator=True)
+    report.predicted_peak_bytes = prediction.device_peak_bytes
+    report.predicted_live_bytes = prediction.peak_bytes
     report.predicted_host_bytes = prediction.host_bytes
     report.offload_moved_bytes = prediction.moved_bytes  # (the rewrite counts what it moves)
     report.transfer_flops = prediction.transfer_flops
@@ -295,12 +298,12 @@ def _report(strategy_name, region, kept, dropped, offloader):
     report.recompute_flops = prediction.recompute_flops
     report.deferred_gradients = prediction.deferred_gradients
     report.forward_flops = prediction.forward_flops
-    if (prediction.peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline.peak_bytes
+    if (prediction.device_peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline.device_peak_bytes
             and not _always_rewrite()):
         report.fallback = (
             f"memsave: strategy {strategy_name!r} is predicted to peak at "
-            f"{prediction.peak_bytes / 2**20:.3g} MB, not below tf.gradients' "
-            f"{baseline.peak_bytes / 2**20:.3g} MB, so plain tf.gradients was used")
+            f"{prediction.device_peak_bytes / 2**20:.3g} MB, not below tf.gradients' "
+            f"{baseline.device_peak_bytes / 2**20:.3g} MB, so plain tf.gradients was used")
     return report
 
 

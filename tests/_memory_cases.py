@@ -191,3 +191,15 @@ def capped(case, limit_mb, **kwargs):
         return globals()[case](**kwargs)
     except tf.errors.ResourceExhaustedError:
         return {"oom": True}
+
+
+def one_tensor(nbytes):
+    """What TensorFlow's CPU BFC allocator holds, in a fresh process, for one float32
+    tensor of `nbytes` made by a kernel; and what memsave's replay of it says."""
+    from memsave.planner import allocator
+
+    held = tf.fill([nbytes // 4], 1.0)
+    measured = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    del held
+    simulated = allocator.replayed_peak(allocator.of_device(), [0], [0], [nbytes], [False], 1)
+    return {"measured": measured, "simulated": simulated, "allocator": allocator.of_device().name}

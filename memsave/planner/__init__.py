@@ -6,11 +6,13 @@ searches that choose checkpoints with them.
 - costs.py:    what running an op again costs on this machine (calibrate());
 - segments.py: which segment recomputes which op (shared by the rewrite);
 - memory.py:   the simulated peak of the plain and the rewritten step;
+- allocator.py: that step replayed through TensorFlow's BFC allocator (what it holds);
 - search.py:   the plans with the lowest predicted peak, or the least recomputation
                under a budget.
 """
 
 from memsave.errors import MemsaveError
+from memsave.planner import allocator
 from memsave.planner.costs import Costs, calibrate
 from memsave.planner.graph import StepGraph
 from memsave.planner.memory import MemoryModel, Prediction
@@ -43,7 +45,8 @@ def model_of(region):
     model = region.cache.get("memory_model")
     if model is None:
         size = region.cache.get(UNKNOWN_DIM_SIZE) or 1
-        model = MemoryModel(StepGraph.build(region, unknown_dim_size=size))
+        model = MemoryModel(StepGraph.build(region, unknown_dim_size=size),
+                            allocator=allocator.of_device())
         region.cache["memory_model"] = model
     return model
 

@@ -24,7 +24,9 @@ as an executor runs them: each once its incoming gradients are complete, first
 come first served, so the backward passes of parallel branches interleave; then
 the weight gradients the rewrite makes last (StepGraph.deferred: each larger than
 what it reads, which stays alive until then). The peak is the largest
-sum of live buffers over all steps, counting an op's inputs and outputs at once.
+sum of live buffers over all steps, counting an op's inputs and outputs at once;
+on request the step is also replayed through the device's allocator
+(memsave.planner.allocator), which holds more than the tensors need.
 """
 
 import collections
@@ -32,6 +34,7 @@ import dataclasses
 from typing import Optional
 
 from memsave.offload import DEFAULT_FLOPS_PER_BYTE
+from memsave.planner import allocator as allocator_lib
 from memsave.planner import costs, opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
 from memsave.planner.segments import Segmentation
@@ -60,6 +63,9 @@ class Prediction:
       transfer_flops: what those copies cost the step, in FLOPs
         (memsave.planner.costs.transfer_flops).
       deferred_gradients: gradients made after the last segment (StepGraph.deferred).
+      allocator_peak_bytes: what the device's allocator holds at its peak, chunks
+        rounded up as it hands them out (memsave.planner.allocator), where the model
+        simulates one and was asked to (MemoryModel.predict(..., allocator=True)).
     """
     peak_bytes: int
     resident_bytes: int
@@ -73,6 +79,12 @@ class Prediction:
     moved_bytes: int = 0
     transfer_flops: int = 0
     deferred_gradients: int = 0
+    allocator_peak_bytes: Optional[int] = None
+
+    @property
+    def device_peak_bytes(self):
+        """The allocator's peak where it was simulated, else the live tensors' peak."""
+        return self.peak_bytes if self.allocator_peak_bytes is None else self.allocator_peak_bytes
 
     @property
     def cost_flops(self):
@@ -192,8 +204,14 @@ def _contribution_counts(graph):
 class MemoryModel:
     """Predicts the peak of the plain and the rewritten step of one StepGraph."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, allocator=None):
+        """Args:
+          graph: the StepGraph.
+          allocator: a memsave.planner.allocator.Allocator to replay predictions
+            through on request (None: live tensors only).
+        """
         self.graph = graph
+        self.allocator = allocator
         self.path_ops = [i for i, k in enumerate(graph.kind) if k in (REGION, KEPT)]
         self.forward_flops = int(sum(graph.cost[op] + graph.costs.op_overhead
                                      for op in graph.region_op_ids()))
@@ -206,13 +224,17 @@ class MemoryModel:
         self._forward_buffers = self._forward(self._forward_template)
 
     # -- public -------------------------------------------------------------------
-    def baseline(self):
-        """The step as tf.gradients builds it."""
-        if self._baseline is None:
-            self._baseline = self._simulate(None)
+    def baseline(self, allocator=False):
+        """The step as tf.gradients builds it (`allocator`: as for predict)."""
+        if self._baseline is None or (allocator and self._needs_replay(self._baseline)):
+            self._baseline = self._simulate(None, replay=allocator)
         return self._baseline
 
-    def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None):
+    def _needs_replay(self, prediction):
+        return self.allocator is not None and prediction.allocator_peak_bytes is None
+
+    def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None,
+                allocator=False):
         """The step as the rewrite builds it with these checkpoint tensor ids.
 
         Args:
@@ -223,19 +245,24 @@ class MemoryModel:
             segments before each segment that reads them to that segment's last read.
           prefetch, flops_per_byte: as memsave.Offload's (default flops_per_byte:
             memsave.offload.DEFAULT_FLOPS_PER_BYTE).
+          allocator: also replay the step through the model's allocator
+            (`allocator_peak_bytes`); searches rank plans without it, which is
+            cheaper, and ask for it where a plan is checked against a limit or reported.
         """
         if flops_per_byte is None:
             flops_per_byte = DEFAULT_FLOPS_PER_BYTE
         key = (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
                (prefetch, flops_per_byte) if offloaded else None)
         prediction = self._predictions.get(key)
-        if prediction is None:
+        if prediction is None or (allocator and self._needs_replay(prediction)):
             prediction = self._predictions[key] = self._simulate(
-                Segmentation(self.graph, key[0]), frozenset(key[1]), prefetch, flops_per_byte)
+                Segmentation(self.graph, key[0]), frozenset(key[1]), prefetch, flops_per_byte,
+                replay=allocator)
         return prediction
 
     # -- simulation ---------------------------------------------------------------
-    def _simulate(self, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0):
+    def _simulate(self, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
+                  replay=False):
         graph, timeline = self.graph, self._forward_template.copy()
         forward = self._forward_buffers
         gradients = _Gradients(graph, timeline, self._expected)
@@ -265,7 +292,15 @@ class MemoryModel:
             transfer_flops=costs.transfer_flops(
                 out_bytes, back_bytes, len(offloaded) + len(back), self.forward_flops,
                 flops_per_byte, graph.costs.op_overhead) if offloaded else 0,
-            deferred_gradients=deferred)
+            deferred_gradients=deferred,
+            allocator_peak_bytes=self._replayed(timeline) if replay else None)
+
+    def _replayed(self, timeline):
+        if self.allocator is None:
+            return None
+        resident = [kind == "resident" for kind in timeline.kinds]
+        return allocator_lib.replayed_peak(self.allocator, timeline.starts, timeline.ends,
+                                           timeline.bytes, resident, len(timeline.labels))
 
     def _forward(self, timeline):
         """Runs every forward op; returns the buffer of each tensor."""

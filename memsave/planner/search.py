@@ -11,7 +11,9 @@ by the one segment that reads them, so they never make a cut expensive.
   the cheapest cut in reach), each simulated; the lowest predicted peak wins,
   ties going to less recomputation.
 - `within_budget`: the least recomputation whose predicted peak fits a limit:
-  those plans, each also with the outputs of expensive ops kept while they fit.
+  those plans, each also with the outputs of expensive ops kept while they fit;
+  the cheapest are then checked against the limit as the device's allocator
+  would hold them (MemoryModel.predict(..., allocator=True)), until one fits.
   Where host offload is allowed (`Offloadable`), a plan that does not fit may
   still fit with some of its checkpoints offloaded (earliest first: they wait
   longest for their backward), and its cost is then recomputation plus transfers.
@@ -171,11 +173,11 @@ class _Search:
         self.candidates = Candidates(model.graph)
         self._cuts = {}   # segment bytes -> plan
 
-    def predict(self, plan, offloaded=()):
-        if not offloaded:
-            return self.model.predict(plan)  # the model keeps every prediction it made
+    def predict(self, plan, offloaded=(), allocator=False):
+        if not offloaded:  # (the model keeps every prediction it made)
+            return self.model.predict(plan, allocator=allocator)
         return self.model.predict(plan, offloaded, self.offloadable.prefetch,
-                                  self.offloadable.flops_per_byte)
+                                  self.offloadable.flops_per_byte, allocator=allocator)
 
     def fit(self, plan, limit_bytes):
         """(Prediction, plan, offloaded) of `plan` within `limit_bytes`: as it is, or with
@@ -322,7 +324,8 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
     if exact:
         found = ((search.predict(plan, offloaded), plan, offloaded)
                  for plan, offloaded in _subsets_with_offload(tensors, search.offloadable))
-        return _cheapest(f for f in found if f[0].peak_bytes <= limit_bytes)
+        return _cheapest(search, (f for f in found if f[0].peak_bytes <= limit_bytes),
+                         limit_bytes)
     # With offload, every segment size: fine cuts whose checkpoints wait on the host
     # reach peaks that no plan without offload reaches.
     plans = search.cut_plans() if search.offloadable is None else search.all_cut_plans()
@@ -339,22 +342,36 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
                 found.append(fitted)
     if search.offloadable is not None:  # never costlier than the plan without offload
         found.append(within_budget(model, limit_bytes, expensive, exact, augmented))
-    return _cheapest(f for f in found if f is not None)
+    return _cheapest(search, (f for f in found if f is not None), limit_bytes)
 
 
-def _cheapest(found):
-    """The (Prediction, plan, offloaded) of least cost (then lowest peak), or None."""
-    return min(found, key=lambda f: (f[0].cost_flops, f[0].peak_bytes), default=None)
+def _cheapest(search, found, limit_bytes):
+    """The (Prediction, plan, offloaded) of least cost (then lowest peak) whose peak as
+    the device's allocator holds it fits `limit_bytes`, or None.
+
+    The live tensors' peak of each of `found` fits already; the allocator's is never
+    lower (its chunks are at least the tensors' sizes), and is replayed only for the
+    cheapest plans, until one fits.
+    """
+    for _, plan, offloaded in sorted(found, key=lambda f: (f[0].cost_flops, f[0].peak_bytes)):
+        held = search.predict(plan, offloaded, allocator=True)
+        if held.device_peak_bytes <= limit_bytes:
+            return held, plan, offloaded
+    return None
 
 
 def lowest_reachable_peak(model, offloadable=None):
-    """The lowest peak memsave finds on this step (with every movable checkpoint of the
-    lowest-peak plan offloaded, where offload is allowed); None if nothing can be kept."""
+    """The lowest peak memsave finds on this step, as the device's allocator holds it
+    (with every movable checkpoint offloaded, where offload is allowed: over every cut
+    plan, the lowest tensors' peak replayed); None if nothing can be kept."""
     best = minimise_peak(model)
     if best is None:
         return None
     search = _Search(model, offloadable)
-    if search.offloadable is None:
-        return best[0].peak_bytes
-    return min([best[0].peak_bytes] + [search.predict(plan, search.movable(plan)).peak_bytes
-                                       for plan in search.all_cut_plans() + [best[1]]])
+    plan, offloaded = best[1], []
+    if search.offloadable is not None:
+        plans = search.all_cut_plans() + [best[1]]
+        plan = min(plans, key=lambda p: search.predict(p, search.movable(p)).peak_bytes)
+        offloaded = search.movable(plan)
+    return min(search.predict(best[1], allocator=True).device_peak_bytes,
+               search.predict(plan, offloaded, allocator=True).device_peak_bytes)

@@ -54,8 +54,9 @@ def lowest_peak(tolerance=None):
         best = search.minimise_peak(model, expensive=expensive, tolerance=tolerance or 0.0)
         if best is None:
             return []
-        prediction, plan = best
-        return _choices(model, plan, f"lowest predicted peak ({_mb(prediction.peak_bytes)} "
+        plan = best[1]
+        prediction = model.predict(plan, allocator=True)
+        return _choices(model, plan, f"lowest predicted peak ({_mb(prediction.device_peak_bytes)} "
                                      f"with {len(plan)} checkpoints)")
     strategy.__name__ = "lowest_peak"
     return strategy
@@ -103,7 +104,7 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
 
     def limit_bytes(self, model):
         if isinstance(self.limit, float):
-            return int(self.limit * model.baseline().peak_bytes)
+            return int(self.limit * model.baseline(allocator=True).device_peak_bytes)
         return self.limit
 
     def __call__(self, region):
@@ -111,9 +112,9 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
             region.cache[planner.UNKNOWN_DIM_SIZE] = self.unknown_dim_size
         model = planner.model_of(region)
         limit = self.limit_bytes(model)
-        baseline = model.baseline()
-        if baseline.peak_bytes <= limit:
-            region.cache[PLAIN] = (f"tf.gradients' predicted peak {_mb(baseline.peak_bytes)} "
+        baseline = model.baseline(allocator=True).device_peak_bytes
+        if baseline <= limit:
+            region.cache[PLAIN] = (f"tf.gradients' predicted peak {_mb(baseline)} "
                                    f"fits the budget of {_mb(limit)}: nothing to recompute")
             return []
         offloadable = _offloadable(model, region)
@@ -121,16 +122,16 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
                                     offloadable=offloadable)
         if best is None:
             reachable = search.lowest_reachable_peak(model, offloadable)
-            reachable = baseline.peak_bytes if reachable is None else reachable
+            reachable = baseline if reachable is None else reachable
             hint = "" if offloadable else " or use checkpoints='memory'"
             raise MemsaveError(
                 f"the budget of {_mb(limit)} cannot be met: the smallest predicted peak memsave "
                 f"can reach on this graph{' with offload' if offloadable else ''} is "
-                f"{_mb(reachable)} (tf.gradients: {_mb(baseline.peak_bytes)}); raise the budget "
+                f"{_mb(reachable)} (tf.gradients: {_mb(baseline)}); raise the budget "
                 f"to at least {_mb(reachable)}{hint}")
         prediction, plan, offloaded = best
         return _choices(model, plan, f"within budget {_mb(limit)} (predicted peak "
-                                     f"{_mb(prediction.peak_bytes)})",
+                                     f"{_mb(prediction.device_peak_bytes)})",
                         offloaded if offloadable else None)
 
 

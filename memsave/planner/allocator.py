@@ -1,0 +1,163 @@
+"""What the device's allocator holds: the memory model's buffers replayed through
+a simulation of TensorFlow's BFC allocator.
+
+The memory model counts the bytes of live tensors. TensorFlow's BFC allocator
+(every GPU; the CPU with TF_CPU_ALLOCATOR_USE_BFC=true, as memsave measures)
+holds more: it serves a request from the smallest free chunk that fits, and
+splits that chunk only when it is at least twice the request, so a 13.5 MB
+tensor may hold a 23.5 MB chunk freed by an earlier, larger one; and its peak
+(`peak_bytes_in_use`) counts chunks, not tensors. Which chunk a request gets
+depends on everything allocated and freed before it, so the model replays its
+whole step: one step to grow the allocator's regions as TensorFlow's first step
+does (each region twice the last, from 2 MiB, when growing), then the measured
+step on the regions that left, with the resident tensors (weights, inputs)
+allocated first and kept.
+
+The replay follows the order the memory model simulates; an executor running
+ops side by side frees and allocates in a somewhat different order, so which
+tensors land in oversized chunks, and the peak, move between runs of the same
+step (by ~10% on some models here); the replay gives one such order.
+"""
+
+import bisect
+import dataclasses
+import os
+
+_MIN_CHUNK = 256                      # BFC rounds every request up to this multiple
+_SPLIT_ANYWAY = 128 << 20             # ... and splits a chunk this much larger regardless
+_FIRST_GROWTH_REGION = 2 << 20        # the first region when the allocator grows
+_WHOLE_DEVICE = 1 << 46               # "one region": larger than any step
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocator:
+    """How the simulated allocator gets its memory.
+
+    Attributes:
+      name: for reports, e.g. 'BFC (CPU, growing)'.
+      first_region: bytes of the first region it reserves; later regions double
+        (TensorFlow's allow_growth), or one region holds everything.
+    """
+    name: str
+    first_region: int
+
+
+def of_device():
+    """The Allocator TensorFlow uses for the step's tensors here, or None where it is
+    not BFC (the CPU's default allocator takes what each tensor needs from malloc)."""
+    import tensorflow as tf  # (the planner reads graphs; this asks the runtime once)
+
+    if tf.config.list_physical_devices("GPU"):
+        growing = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true"
+        if growing:
+            return Allocator("BFC (GPU, growing)", _FIRST_GROWTH_REGION)
+        return Allocator("BFC (GPU)", _WHOLE_DEVICE)
+    if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("true", "1"):
+        return Allocator("BFC (CPU, growing)", _FIRST_GROWTH_REGION)
+    return None
+
+
+class _BestFit:
+    """The BFC allocator's bookkeeping: best-fit chunks, split only when a chunk is
+    at least twice the request, neighbours merged when freed, regions never merged."""
+
+    def __init__(self, first_region):
+        self.next_region = first_region
+        self.free = []          # sorted (size, address) of free chunks
+        self.free_at = {}       # address -> size of a free chunk
+        self.free_ending = {}   # end address -> address of a free chunk
+        self.used = {}          # address -> size of a chunk in use
+        self.end_of_regions = 0
+        self.in_use = 0
+        self.peak = 0
+
+    def allocate(self, nbytes):
+        """Returns the address of the chunk serving a request of `nbytes`."""
+        wanted = -(-max(nbytes, 1) // _MIN_CHUNK) * _MIN_CHUNK
+        index = bisect.bisect_left(self.free, (wanted, -1))
+        if index == len(self.free):
+            self._grow(wanted)
+            index = bisect.bisect_left(self.free, (wanted, -1))
+        size, address = self.free[index]
+        self._unlist(index)
+        if size >= 2 * wanted or size - wanted >= _SPLIT_ANYWAY:
+            self._list(address + wanted, size - wanted)
+            size = wanted
+        self.used[address] = size
+        self.in_use += size
+        self.peak = max(self.peak, self.in_use)
+        return address
+
+    def release(self, address):
+        size = self.used.pop(address)
+        self.in_use -= size
+        following = address + size
+        if following in self.free_at:
+            size += self._unlist_at(following)
+        if address in self.free_ending:
+            previous = self.free_ending[address]
+            size += self._unlist_at(previous)
+            address = previous
+        self._list(address, size)
+
+    def _grow(self, wanted):
+        grew = False
+        while wanted > self.next_region:
+            self.next_region *= 2
+            grew = True
+        region = self.next_region
+        if not grew:
+            self.next_region *= 2
+        # A gap after each region: chunks of two regions never merge.
+        self._list(self.end_of_regions, region)
+        self.end_of_regions += region + _MIN_CHUNK
+
+    def _list(self, address, size):
+        bisect.insort(self.free, (size, address))
+        self.free_at[address] = size
+        self.free_ending[address + size] = address
+
+    def _unlist(self, index):
+        size, address = self.free.pop(index)
+        del self.free_at[address]
+        del self.free_ending[address + size]
+
+    def _unlist_at(self, address):
+        size = self.free_at[address]
+        self._unlist(bisect.bisect_left(self.free, (size, address)))
+        return size
+
+
+def replayed_peak(allocator, starts, ends, sizes, resident, steps):
+    """The allocator's peak bytes in use during the second of two identical steps.
+
+    Args:
+      allocator: an Allocator.
+      starts, ends, sizes: per buffer, the steps it is made and last read at
+        (ends beyond the last step: alive to the end of the step) and its bytes.
+      resident: per buffer, whether it exists before the step and outlives it.
+      steps: how many steps the step has.
+    """
+    made_at = [[] for _ in range(steps)]
+    freed_at = [[] for _ in range(steps)]
+    state = _BestFit(allocator.first_region)
+    for buffer, (start, end, nbytes) in enumerate(zip(starts, ends, sizes)):
+        if nbytes <= 0:
+            continue
+        if resident[buffer]:
+            state.allocate(nbytes)
+            continue
+        made_at[start].append(buffer)
+        if end < steps:
+            freed_at[end].append(buffer)
+    for _ in range(2):
+        state.peak = state.in_use
+        address = {}
+        for step in range(steps):
+            for buffer in made_at[step]:
+                address[buffer] = state.allocate(sizes[buffer])
+            for buffer in freed_at[step]:
+                state.release(address.pop(buffer))
+        for left in address.values():  # returned at the step's end (the gradients)
+            state.release(left)
+    return state.peak
