@@ -55,6 +55,9 @@ def test_a_growing_allocator_holds_a_whole_region_for_a_tensor_over_half_of_it()
     # From 2 MiB, a 3 MiB request grows a 4 MiB region, which it holds whole.
     assert _peak([(0, 0, 3 * MiB)], 1, GROWING) == 4 * MiB
     assert _peak([(0, 0, 3 * MiB)], 1, ONE_REGION) == 3 * MiB
+    # 1 MiB splits the first 2 MiB region; the next region is twice it (4 MiB), so
+    # 1.5 MiB, which the 1 MiB left cannot serve, splits that (a 2 MiB one it would hold whole).
+    assert _peak([(0, 0, MiB), (0, 0, 3 * MiB // 2)], 1, GROWING) == 5 * MiB // 2
     # Resident tensors are held before and after the step, never freed.
     assert _peak([(None, 9, MiB), (0, 0, MiB)], 1) == 2 * MiB
 
@@ -101,3 +104,24 @@ def test_of_device_follows_the_environment(monkeypatch):
     assert allocator.of_device() is None
     monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "true")
     assert allocator.of_device().first_region == 2 * MiB
+
+
+def test_a_budget_plan_fits_as_the_allocator_holds_it():
+    """A plan whose tensors fit the limit but whose chunks do not is passed over for the
+    next cheapest (the tensors' peak alone would break the budget here)."""
+    from memsave.planner import search
+
+    graph, _ = _tanh_chain_graph()
+    model = MemoryModel(graph, allocator=GROWING)
+    live_only = MemoryModel(graph)
+    limits = sorted({model.predict(plan).peak_bytes
+                     for plan in search._subsets(search.Candidates(graph).tensors)})
+    overflowing = 0
+    for limit in limits:
+        chosen = search.within_budget(model, limit, [])
+        if chosen is not None:
+            assert chosen[0].device_peak_bytes <= limit
+        blind = search.within_budget(live_only, limit, [])
+        if blind is not None and model.predict(blind[1], allocator=True).device_peak_bytes > limit:
+            overflowing += 1
+    assert overflowing > 0  # (else this graph would not tell the two apart)
