@@ -54,10 +54,9 @@ def lowest_peak(tolerance=None):
         best = search.minimise_peak(model, expensive=expensive, tolerance=tolerance or 0.0)
         if best is None:
             return []
-        plan = best[1]
-        prediction = model.predict(plan, allocator=True)
-        return _choices(model, plan, f"lowest predicted peak ({_mb(prediction.device_peak_bytes)} "
-                                     f"with {len(plan)} checkpoints)")
+        prediction, plan = best  # (ranked by live tensors: the report replays the allocator)
+        return _choices(model, plan, f"lowest predicted peak of live tensors "
+                                     f"({_mb(prediction.peak_bytes)} with {len(plan)} checkpoints)")
     strategy.__name__ = "lowest_peak"
     return strategy
 
