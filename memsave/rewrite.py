@@ -141,6 +141,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
         if not any(region.is_connected(x) for x in call.xs):
             return _plain_gradients(_plain_report(strategy_name, _UNCONNECTED, region), explicit,
                                     ys, xs, grad_ys, options)
+        # Under gate_gradients a weight's gradient is grouped with its input's: none can
+        # be made last, and the memory model must not plan as if it were.
+        region.cache[planner.NO_DEFERRAL] = bool(options.passed.get("gate_gradients"))
         offloader = _offloader(offload, region, call.graph)
         kept, dropped = _select_checkpoints(strategy(region), region)
         kept = _with_shared_tensors(kept, region)
@@ -433,11 +436,11 @@ class _Rewrite:
         self.under_xla = _tf_private.in_xla_context(ys[0].graph)
         self.offloader = offloader
         self.triggers = []  # each segment's trigger ops, in the order the backward runs them
-        # Weight gradients made after the last segment (StepGraph.deferred): per segment,
-        # the op sets that make them, and the segment's other gradients. Under
-        # gate_gradients a weight's gradient is grouped with its input's, so none is.
+        # Weight gradients made after the last segment (StepGraph.deferred; none under
+        # gate_gradients): per segment, the op sets that make them, and the segment's
+        # other gradients.
         self.step_graph = planner.model_of(region).graph
-        self.defer = bool(self.step_graph.deferred) and not options.passed.get("gate_gradients")
+        self.defer = bool(self.step_graph.deferred)
         self.deferred_cones, self.other_gradients = [], []
 
     def run(self):

@@ -535,6 +535,26 @@ def test_the_rewrite_makes_deferred_weight_gradients_after_the_last_segment():
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+def test_with_gate_gradients_nothing_is_deferred_and_the_model_knows_it():
+    """gate_gradients=True groups a weight's gradient with its input's: the rewrite makes
+    none last, and the prediction is the one without deferral (it was the deferred one)."""
+    reports = {}
+    for gate in (False, True):
+        with tf.Graph().as_default():
+            x, w, h, product, loss = _trunk_and_wide_head()
+            memsave.gradients(loss, [x, w], checkpoints=[h], gate_gradients=gate)
+            reports[gate] = memsave.last_report()
+            weight_gradient = [op for op in tf.compat.v1.get_default_graph().get_operations()
+                               if op.type == "MatMul" and op.get_attr("transpose_a")
+                               and "memsave" in op.name]
+            waits = any("segment_" in c.name for op in weight_gradient for c in op.control_inputs)
+            assert waits == (not gate)
+    assert reports[False].deferred_gradients == 1 and reports[True].deferred_gradients == 0
+    assert "made after the last segment" not in reports[True].summary()
+    # Made where its op's gradient runs, the wide weight gradient is held longer.
+    assert reports[True].predicted_live_bytes > reports[False].predicted_live_bytes
+
+
 def test_a_deferred_filter_gradient_is_not_waited_for_by_its_input_gradient(monkeypatch):
     # With TensorFlow's own conv kernels the rewrite runs a convolution's input
     # gradient after its filter gradient; a deferred filter gradient must not hold it.

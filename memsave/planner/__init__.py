@@ -20,6 +20,7 @@ from memsave.planner.segments import Segmentation
 
 
 UNKNOWN_DIM_SIZE = "unknown_dim_size"  # region.cache key: size assumed for unknown dims
+NO_DEFERRAL = "no_deferred_gradients"  # region.cache key: the rewrite makes none last
 
 
 def check_unknown_dim_size(value):
@@ -40,13 +41,15 @@ def model_of(region):
 
     Unknown dimensions count as region.cache[UNKNOWN_DIM_SIZE] (default 1), which
     memsave.plan(..., unknown_dim_size=) and memsave.budget(..., unknown_dim_size=)
-    set before the model is first built.
+    set before the model is first built; region.cache[NO_DEFERRAL] (set by the
+    rewrite for gate_gradients=True) keeps every weight gradient where its op's is.
     """
     model = region.cache.get("memory_model")
     if model is None:
         size = region.cache.get(UNKNOWN_DIM_SIZE) or 1
-        model = MemoryModel(StepGraph.build(region, unknown_dim_size=size),
-                            allocator=allocator.of_device())
+        graph = StepGraph.build(region, unknown_dim_size=size,
+                                defer=not region.cache.get(NO_DEFERRAL))
+        model = MemoryModel(graph, allocator=allocator.of_device())
         region.cache["memory_model"] = model
     return model
 

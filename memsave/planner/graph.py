@@ -78,13 +78,16 @@ class StepGraph:
         self.costs = costs.active()
 
     @classmethod
-    def build(cls, region, unknown_dim_size=1):
+    def build(cls, region, unknown_dim_size=1, defer=True):
         """Compiles the forward pass of `region` (a memsave.region.ForwardRegion).
 
         Args:
           region: the ForwardRegion.
           unknown_dim_size: the size assumed for unknown dimensions (a batch fed
             through a placeholder of shape [None, ...]).
+          defer: whether the rewrite may make weight gradients last (`deferred`;
+            not with tf.gradients' gate_gradients=True, which groups a weight's
+            gradient with its input's).
         """
         step = cls()
         step.unknown_dim_size = unknown_dim_size
@@ -94,7 +97,8 @@ class StepGraph:
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
         step._link(region)
-        step._find_deferred()
+        if defer:
+            step._find_deferred()
         return step
 
     # -- construction ------------------------------------------------------------------
