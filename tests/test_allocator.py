@@ -125,3 +125,22 @@ def test_a_budget_plan_fits_as_the_allocator_holds_it():
         if blind is not None and model.predict(blind[1], allocator=True).device_peak_bytes > limit:
             overflowing += 1
     assert overflowing > 0  # (else this graph would not tell the two apart)
+
+
+def test_a_replay_asked_for_later_equals_one_made_with_the_prediction():
+    """The model replays the timeline it simulated last when asked right after (a
+    search checks tensors, then chunks), and simulates again otherwise: same figures."""
+    graph, plan = _tanh_chain_graph()
+    other, third = plan[:1], plan[1:]
+    direct = MemoryModel(graph, allocator=GROWING)
+    expected = {tuple(p): direct.predict(p, allocator=True) for p in (plan, other, third)}
+    later = MemoryModel(graph, allocator=GROWING)
+    later.predict(plan)
+    assert later.predict(plan, allocator=True) == expected[tuple(plan)]  # the last timeline
+    later.predict(third)
+    later.predict(other)  # simulated last: `third` is simulated again for its replay
+    assert later.predict(third, allocator=True) == expected[tuple(third)]
+    assert later.predict(other, allocator=True) == expected[tuple(other)]
+    assert later.baseline().allocator_peak_bytes is None
+    assert later.baseline(allocator=True) == direct.baseline(allocator=True)
+    assert expected[tuple(plan)].allocator_peak_bytes != expected[tuple(other)].allocator_peak_bytes

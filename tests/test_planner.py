@@ -279,17 +279,47 @@ def test_budget_that_plain_gradients_meet_recomputes_nothing():
 
 
 @pytest.mark.planner_fallback
-def test_smaller_budgets_never_predict_larger_peaks_and_cost_more():
-    graph, loss, x = _chain_graph(24)
-    previous = None
+def _matmul_chain_graph(n):
+    """x -> (tanh(h @ w_i)) n times -> sum: matmul outputs are worth keeping (expensive);
+    widths alternate 256 and 384, so a freed 384-wide chunk serves a 256-wide tensor whole."""
+    rng = np.random.default_rng(0)
+    graph = tf.Graph()
     with graph.as_default():
-        for fraction in (0.8, 0.6, 0.5, 0.4):
+        x = tf.compat.v1.placeholder(tf.float32, [512, 256], name="x")
+        h = x
+        for i in range(n):
+            width = 384 if i % 2 == 0 else 256
+            w = tf.constant(rng.standard_normal([h.shape[1], width]).astype(np.float32) * 0.06)
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h)
+    return graph, loss, x
+
+
+@pytest.mark.parametrize("bfc", [False, True], ids=["live tensors", "bfc allocator"])
+@pytest.mark.parametrize("chain", [_chain_graph, _matmul_chain_graph])
+def test_smaller_budgets_never_predict_larger_peaks_and_cost_more(monkeypatch, bfc, chain):
+    # With an allocator, plans are filled with expensive outputs up to the limit as the
+    # allocator holds them: filled by live tensors alone, every filled plan overran it
+    # and a budget fell back to a far costlier plan (the CNN's budget 0.4: 4 checkpoints).
+    if bfc:  # (a growing BFC allocator: memsave.planner.allocator)
+        from memsave.planner import allocator
+        monkeypatch.setattr(allocator, "of_device", lambda: allocator.Allocator("bfc", 2 << 20))
+    graph, loss, x = chain(24)
+    previous = None
+    # (the matmul chain reaches down to 0.64 of tf.gradients' peak)
+    fractions = (0.8, 0.6, 0.5, 0.4) if chain is _chain_graph else (0.9, 0.8, 0.72, 0.66)
+    with graph.as_default():
+        for fraction in fractions:
             report = memsave.plan(loss, [x], memsave.budget(fraction))
             assert report.predicted_peak_bytes <= fraction * report.baseline_peak_bytes
             if previous is not None:
                 assert report.predicted_peak_bytes <= previous.predicted_peak_bytes
                 assert report.recompute_flops >= previous.recompute_flops
+            else:
+                first = report
             previous = report
+    # ... and the largest budget buys strictly less recomputation than the smallest.
+    assert first.recompute_flops < previous.recompute_flops
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5, "half", None, True, float("nan")])

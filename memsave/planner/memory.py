@@ -217,6 +217,7 @@ class MemoryModel:
                                      for op in graph.region_op_ids()))
         self._baseline = None
         self._predictions = {}
+        self._last = (None, None)  # (key, timeline) of the latest simulation
         self._expected = _contribution_counts(graph)
         self._resident = graph.resident_bytes()
         # The forward pass is the same for every plan: simulated once, copied per plan.
@@ -226,12 +227,23 @@ class MemoryModel:
     # -- public -------------------------------------------------------------------
     def baseline(self, allocator=False):
         """The step as tf.gradients builds it (`allocator`: as for predict)."""
-        if self._baseline is None or (allocator and self._needs_replay(self._baseline)):
-            self._baseline = self._simulate(None, replay=allocator)
+        if self._baseline is None:
+            self._baseline = self._simulate("baseline", None, replay=allocator)
+        elif allocator and self._needs_replay(self._baseline):
+            self._baseline = self._replay(self._baseline, "baseline",
+                                          lambda: self._simulate("baseline", None, replay=True))
         return self._baseline
 
     def _needs_replay(self, prediction):
         return self.allocator is not None and prediction.allocator_peak_bytes is None
+
+    def _replay(self, prediction, key, simulate):
+        """`prediction` with the allocator's peak: replayed from the timeline simulated
+        last where that was this prediction's (a search checks a plan's tensors, then
+        its chunks), else from a new simulation."""
+        if key != self._last[0]:
+            return simulate()
+        return dataclasses.replace(prediction, allocator_peak_bytes=self._replayed(self._last[1]))
 
     def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None,
                 allocator=False):
@@ -255,15 +267,18 @@ class MemoryModel:
                (prefetch, flops_per_byte) if offloaded else None)
         prediction = self._predictions.get(key)
         if prediction is None or (allocator and self._needs_replay(prediction)):
-            prediction = self._predictions[key] = self._simulate(
-                Segmentation(self.graph, key[0]), frozenset(key[1]), prefetch, flops_per_byte,
-                replay=allocator)
+            def simulate():
+                return self._simulate(key, Segmentation(self.graph, key[0]), frozenset(key[1]),
+                                      prefetch, flops_per_byte, replay=allocator)
+            prediction = self._predictions[key] = (
+                simulate() if prediction is None else self._replay(prediction, key, simulate))
         return prediction
 
     # -- simulation ---------------------------------------------------------------
-    def _simulate(self, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
+    def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
                   replay=False):
         graph, timeline = self.graph, self._forward_template.copy()
+        self._last = (key, timeline)
         forward = self._forward_buffers
         gradients = _Gradients(graph, timeline, self._expected)
         start = timeline.step(("seed", None, None))

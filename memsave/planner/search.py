@@ -11,9 +11,10 @@ by the one segment that reads them, so they never make a cut expensive.
   the cheapest cut in reach), each simulated; the lowest predicted peak wins,
   ties going to less recomputation.
 - `within_budget`: the least recomputation whose predicted peak fits a limit:
-  those plans, each also with the outputs of expensive ops kept while they fit;
-  the cheapest are then checked against the limit as the device's allocator
-  would hold them (MemoryModel.predict(..., allocator=True)), until one fits.
+  those plans, each also with the outputs of expensive ops kept while they fit.
+  A plan fits when the chunks the device's allocator would hold for it do
+  (MemoryModel.predict(..., allocator=True)), where the model simulates one: a
+  plan filled up to the limit by its live tensors alone would overrun it.
   Where host offload is allowed (`Offloadable`), a plan that does not fit may
   still fit with some of its checkpoints offloaded (earliest first: they wait
   longest for their backward), and its cost is then recomputation plus transfers.
@@ -179,23 +180,29 @@ class _Search:
         return self.model.predict(plan, offloaded, self.offloadable.prefetch,
                                   self.offloadable.flops_per_byte, allocator=allocator)
 
+    def fits(self, plan, offloaded, limit_bytes):
+        """Whether `plan` peaks within `limit_bytes`: its live tensors, and the chunks the
+        device's allocator holds for them, where the model simulates one."""
+        if self.predict(plan, offloaded).peak_bytes > limit_bytes:
+            return False  # (the allocator never holds less than the tensors)
+        return self.predict(plan, offloaded, allocator=True).device_peak_bytes <= limit_bytes
+
     def fit(self, plan, limit_bytes):
-        """(Prediction, plan, offloaded) of `plan` within `limit_bytes`: as it is, or with
-        the fewest of its checkpoints offloaded (earliest first), or None."""
-        prediction = self.predict(plan)
-        if prediction.peak_bytes <= limit_bytes:
-            return prediction, list(plan), []
+        """(Prediction, plan, offloaded) of `plan` within `limit_bytes` (as `fits`): as
+        it is, or with the fewest of its checkpoints offloaded (earliest first), or None."""
+        if self.fits(plan, [], limit_bytes):
+            return self.predict(plan, allocator=True), list(plan), []
         movable = self.movable(plan)
-        if not movable or self.predict(plan, movable).peak_bytes > limit_bytes:
+        if not movable or not self.fits(plan, movable, limit_bytes):
             return None
         low, high = 1, len(movable)  # the shortest prefix that fits (binary search)
         while low < high:
             middle = (low + high) // 2
-            if self.predict(plan, movable[:middle]).peak_bytes <= limit_bytes:
+            if self.fits(plan, movable[:middle], limit_bytes):
                 high = middle
             else:
                 low = middle + 1
-        return self.predict(plan, movable[:low]), list(plan), movable[:low]
+        return self.predict(plan, movable[:low], allocator=True), list(plan), movable[:low]
 
     def movable(self, plan):
         """The checkpoints of `plan` that may be offloaded, made earliest first."""
