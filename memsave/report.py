@@ -51,7 +51,7 @@ class RewriteReport:
     allocator is BFC (GPUs; the CPU with TF_CPU_ALLOCATOR_USE_BFC=true) both are what
     it holds, chunks rounded up as it hands them out (memsave.planner.allocator),
     and `predicted_live_bytes` is the plan's peak of live tensors alone. `peak_at` says
-    where in the step the tensors' peak falls. `recompute_flops` is the estimated cost of
+    where in the step the predicted peak falls. `recompute_flops` is the estimated cost of
     the recomputed copies, `forward_flops` that of one forward pass of the region.
     `unknown_dims` tensors had unknown dimensions, counted as `unknown_dim_size`
     (see memsave.plan's and memsave.budget's `unknown_dim_size`). `offloaded` names

@@ -273,13 +273,13 @@ def _report(strategy_name, region, kept, dropped, offloader):
         checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in kept],
         dropped=dropped,
         not_recomputable=[(op.name, why) for op, why in region.kept_ops],
-        baseline_peak_bytes=baseline.device_peak_bytes, baseline_peak_at=baseline.peak_at,
+        baseline_peak_bytes=baseline.device_peak_bytes, baseline_peak_at=baseline.device_peak_at,
         resident_bytes=baseline.resident_bytes, unknown_dims=len(model.graph.unknown_dims),
         unknown_dim_size=model.graph.unknown_dim_size)
     if not kept:
         report.predicted_peak_bytes = baseline.device_peak_bytes
         report.predicted_live_bytes = baseline.peak_bytes
-        report.peak_at = baseline.peak_at
+        report.peak_at = baseline.device_peak_at
         report.fallback = region.cache.get(PLAIN) or _no_checkpoints_message(strategy_name, region)
         return report
     graph = model.graph
@@ -297,7 +297,7 @@ def _report(strategy_name, region, kept, dropped, offloader):
     report.predicted_host_bytes = prediction.host_bytes
     report.offload_moved_bytes = prediction.moved_bytes  # (the rewrite counts what it moves)
     report.transfer_flops = prediction.transfer_flops
-    report.peak_at = prediction.peak_at
+    report.peak_at = prediction.device_peak_at
     report.recompute_flops = prediction.recompute_flops
     report.deferred_gradients = prediction.deferred_gradients
     report.forward_flops = prediction.forward_flops

@@ -201,5 +201,5 @@ def one_tensor(nbytes):
     held = tf.fill([nbytes // 4], 1.0)
     measured = tf.config.experimental.get_memory_info("CPU:0")["current"]
     del held
-    simulated = allocator.replayed_peak(allocator.of_device(), [0], [0], [nbytes], [False], 1)
+    simulated, _ = allocator.replayed_peak(allocator.of_device(), [0], [0], [nbytes], [False], 1)
     return {"measured": measured, "simulated": simulated, "allocator": allocator.of_device().name}

@@ -20,7 +20,7 @@ def _peak(buffers, steps, alloc=ONE_REGION):
     starts = [b[0] or 0 for b in buffers]
     resident = [b[0] is None for b in buffers]
     return allocator.replayed_peak(alloc, starts, [b[1] for b in buffers],
-                                   [b[2] for b in buffers], resident, steps)
+                                   [b[2] for b in buffers], resident, steps)[0]
 
 
 def test_a_request_takes_a_freed_chunk_whole_unless_it_is_twice_the_request():
@@ -35,6 +35,18 @@ def test_a_request_takes_a_freed_chunk_whole_unless_it_is_twice_the_request():
     # Exactly 0.5 MiB: split; B holds what it asked for (C is the same size).
     assert peak(MiB // 2) == MiB + 256
     # The tensors alone never pass 1 MiB + 256 B (step 0).
+
+
+def test_the_replay_says_at_which_step_the_allocator_peaks():
+    # Step 0: A (1 MiB) and K (256 B, kept); A freed. Step 1: B (600 KiB) takes A's chunk
+    # whole, C (300 KiB) comes from the rest. The tensors peak at step 0 (1 MiB + 256 B
+    # against 900 KiB + 256 B); the allocator at step 1, holding 1 MiB + 300 KiB + 256 B.
+    kib = 1024
+    buffers = [(0, 0, MiB), (0, 2, 256), (1, 1, 600 * kib), (1, 1, 300 * kib)]
+    held, at = allocator.replayed_peak(ONE_REGION, [b[0] for b in buffers],
+                                       [b[1] for b in buffers], [b[2] for b in buffers],
+                                       [False] * 4, 3)
+    assert (held, at) == (MiB + 300 * kib + 256, 1)
 
 
 def test_freed_neighbours_merge_and_requests_round_up_to_256_bytes():
@@ -96,6 +108,9 @@ def test_the_model_replays_only_when_asked_and_only_with_an_allocator():
     assert held.peak_bytes == live.peak_bytes
     assert held.allocator_peak_bytes >= held.peak_bytes
     assert held.device_peak_bytes == held.allocator_peak_bytes
+    assert live.device_peak_at == live.peak_at and live.allocator_peak_at is None
+    assert held.device_peak_at == held.allocator_peak_at
+    assert held.allocator_peak_at.startswith(("backward", "recomputation", "forward"))
     assert model.baseline(allocator=True).allocator_peak_bytes >= model.baseline().peak_bytes
 
 

@@ -5,7 +5,7 @@ The memory model counts the bytes of live tensors. TensorFlow's BFC allocator
 (every GPU; the CPU with TF_CPU_ALLOCATOR_USE_BFC=true, as memsave measures)
 holds more: it serves a request from the smallest free chunk that fits, and
 splits that chunk only when it is at least twice the request, so a 13.5 MB
-tensor may hold a 23.5 MB chunk freed by an earlier, larger one; and its peak
+tensor may hold a 24.6 MB chunk freed by an earlier, larger one; and its peak
 (`peak_bytes_in_use`) counts chunks, not tensors. Which chunk a request gets
 depends on everything allocated and freed before it, so the model replays its
 whole step: one step to grow the allocator's regions as TensorFlow's first step
@@ -129,7 +129,8 @@ class _BestFit:
 
 
 def replayed_peak(allocator, starts, ends, sizes, resident, steps):
-    """The allocator's peak bytes in use during the second of two identical steps.
+    """(peak bytes in use, the step it is reached at) of the allocator during the second
+    of two identical steps.
 
     Args:
       allocator: an Allocator.
@@ -151,13 +152,16 @@ def replayed_peak(allocator, starts, ends, sizes, resident, steps):
         if end < steps:
             freed_at[end].append(buffer)
     for _ in range(2):
-        state.peak = state.in_use
+        state.peak, at = state.in_use, 0
         address = {}
         for step in range(steps):
             for buffer in made_at[step]:
+                before = state.peak
                 address[buffer] = state.allocate(sizes[buffer])
+                if state.peak > before:
+                    at = step
             for buffer in freed_at[step]:
                 state.release(address.pop(buffer))
         for left in address.values():  # returned at the step's end (the gradients)
             state.release(left)
-    return state.peak
+    return state.peak, at

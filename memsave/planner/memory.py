@@ -65,7 +65,8 @@ class Prediction:
       deferred_gradients: gradients made after the last segment (StepGraph.deferred).
       allocator_peak_bytes: what the device's allocator holds at its peak, chunks
         rounded up as it hands them out (memsave.planner.allocator), where the model
-        simulates one and was asked to (MemoryModel.predict(..., allocator=True)).
+        simulates one and was asked to (MemoryModel.predict(..., allocator=True));
+        allocator_peak_at: where that peak happens.
     """
     peak_bytes: int
     resident_bytes: int
@@ -80,11 +81,17 @@ class Prediction:
     transfer_flops: int = 0
     deferred_gradients: int = 0
     allocator_peak_bytes: Optional[int] = None
+    allocator_peak_at: Optional[str] = None
 
     @property
     def device_peak_bytes(self):
         """The allocator's peak where it was simulated, else the live tensors' peak."""
         return self.peak_bytes if self.allocator_peak_bytes is None else self.allocator_peak_bytes
+
+    @property
+    def device_peak_at(self):
+        """Where `device_peak_bytes` happens."""
+        return self.peak_at if self.allocator_peak_at is None else self.allocator_peak_at
 
     @property
     def cost_flops(self):
@@ -217,7 +224,7 @@ class MemoryModel:
                                      for op in graph.region_op_ids()))
         self._baseline = None
         self._predictions = {}
-        self._last = (None, None)  # (key, timeline) of the latest simulation
+        self._last = (None, None, None)  # (key, timeline, segmentation) simulated last
         self._expected = _contribution_counts(graph)
         self._resident = graph.resident_bytes()
         # The forward pass is the same for every plan: simulated once, copied per plan.
@@ -241,9 +248,10 @@ class MemoryModel:
         """`prediction` with the allocator's peak: replayed from the timeline simulated
         last where that was this prediction's (a search checks a plan's tensors, then
         its chunks), else from a new simulation."""
-        if key != self._last[0]:
+        last_key, timeline, segmentation = self._last
+        if key != last_key:
             return simulate()
-        return dataclasses.replace(prediction, allocator_peak_bytes=self._replayed(self._last[1]))
+        return dataclasses.replace(prediction, **self._replayed(timeline, segmentation))
 
     def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None,
                 allocator=False):
@@ -278,7 +286,7 @@ class MemoryModel:
     def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
                   replay=False):
         graph, timeline = self.graph, self._forward_template.copy()
-        self._last = (key, timeline)
+        self._last = (key, timeline, segmentation)
         forward = self._forward_buffers
         gradients = _Gradients(graph, timeline, self._expected)
         start = timeline.step(("seed", None, None))
@@ -308,14 +316,17 @@ class MemoryModel:
                 out_bytes, back_bytes, len(offloaded) + len(back), self.forward_flops,
                 flops_per_byte, graph.costs.op_overhead) if offloaded else 0,
             deferred_gradients=deferred,
-            allocator_peak_bytes=self._replayed(timeline) if replay else None)
+            **(self._replayed(timeline, segmentation) if replay else {}))
 
-    def _replayed(self, timeline):
+    def _replayed(self, timeline, segmentation):
+        """The Prediction fields of the step replayed through the allocator (none without one)."""
         if self.allocator is None:
-            return None
+            return {}
         resident = [kind == "resident" for kind in timeline.kinds]
-        return allocator_lib.replayed_peak(self.allocator, timeline.starts, timeline.ends,
-                                           timeline.bytes, resident, len(timeline.labels))
+        held, at = allocator_lib.replayed_peak(self.allocator, timeline.starts, timeline.ends,
+                                               timeline.bytes, resident, len(timeline.labels))
+        return {"allocator_peak_bytes": held,
+                "allocator_peak_at": self.describe(timeline.labels[at], segmentation)}
 
     def _forward(self, timeline):
         """Runs every forward op; returns the buffer of each tensor."""
