@@ -40,6 +40,7 @@ from memsave.planner.graph import KEPT, REGION, RESIDENT
 from memsave.planner.segments import Segmentation
 
 _FOREVER = 1 << 62
+_BASELINE = "baseline"  # the prediction key of plain tf.gradients
 
 
 @dataclasses.dataclass
@@ -222,8 +223,7 @@ class MemoryModel:
         self.path_ops = [i for i, k in enumerate(graph.kind) if k in (REGION, KEPT)]
         self.forward_flops = int(sum(graph.cost[op] + graph.costs.op_overhead
                                      for op in graph.region_op_ids()))
-        self._baseline = None
-        self._predictions = {}
+        self._predictions = {}  # key (checkpoints, offloaded, ...) or _BASELINE -> Prediction
         self._last = (None, None, None)  # (key, timeline, segmentation) simulated last
         self._expected = _contribution_counts(graph)
         self._resident = graph.resident_bytes()
@@ -234,24 +234,24 @@ class MemoryModel:
     # -- public -------------------------------------------------------------------
     def baseline(self, allocator=False):
         """The step as tf.gradients builds it (`allocator`: as for predict)."""
-        if self._baseline is None:
-            self._baseline = self._simulate("baseline", None, replay=allocator)
-        elif allocator and self._needs_replay(self._baseline):
-            self._baseline = self._replay(self._baseline, "baseline",
-                                          lambda: self._simulate("baseline", None, replay=True))
-        return self._baseline
+        return self._cached(_BASELINE, allocator,
+                            lambda replay: self._simulate(_BASELINE, None, replay=replay))
 
-    def _needs_replay(self, prediction):
-        return self.allocator is not None and prediction.allocator_peak_bytes is None
-
-    def _replay(self, prediction, key, simulate):
-        """`prediction` with the allocator's peak: replayed from the timeline simulated
-        last where that was this prediction's (a search checks a plan's tensors, then
-        its chunks), else from a new simulation."""
-        last_key, timeline, segmentation = self._last
-        if key != last_key:
-            return simulate()
-        return dataclasses.replace(prediction, **self._replayed(timeline, segmentation))
+    def _cached(self, key, allocator, simulate):
+        """The prediction of `key`, made once by simulate(replay), and replayed through
+        the allocator where asked and not yet done: from the timeline simulated last
+        where that was this key's (a search checks a plan's tensors, then its chunks),
+        else from a new simulation."""
+        prediction = self._predictions.get(key)
+        if prediction is None:
+            prediction = simulate(allocator)
+        elif (allocator and self.allocator is not None
+              and prediction.allocator_peak_bytes is None):
+            last_key, timeline, segmentation = self._last
+            prediction = (dataclasses.replace(prediction, **self._replayed(timeline, segmentation))
+                          if key == last_key else simulate(True))
+        self._predictions[key] = prediction
+        return prediction
 
     def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None,
                 allocator=False):
@@ -273,14 +273,9 @@ class MemoryModel:
             flops_per_byte = DEFAULT_FLOPS_PER_BYTE
         key = (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
                (prefetch, flops_per_byte) if offloaded else None)
-        prediction = self._predictions.get(key)
-        if prediction is None or (allocator and self._needs_replay(prediction)):
-            def simulate():
-                return self._simulate(key, Segmentation(self.graph, key[0]), frozenset(key[1]),
-                                      prefetch, flops_per_byte, replay=allocator)
-            prediction = self._predictions[key] = (
-                simulate() if prediction is None else self._replay(prediction, key, simulate))
-        return prediction
+        return self._cached(key, allocator, lambda replay: self._simulate(
+            key, Segmentation(self.graph, key[0]), frozenset(key[1]), prefetch, flops_per_byte,
+            replay=replay))
 
     # -- simulation ---------------------------------------------------------------
     def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
