@@ -9,8 +9,8 @@ never by name.
 """
 
 import logging
+import math
 
-import numpy as np
 import tensorflow as tf
 
 from memsave.graph import _tf_private
@@ -54,7 +54,7 @@ def estimated_bytes(t, unknown_dim_size=1):
     if t.shape.rank is None:
         return size
     dims = [d if d is not None else unknown_dim_size for d in t.shape.as_list()]
-    return int(np.prod(dims, dtype=np.int64)) * size
+    return math.prod(dims) * size
 
 
 class ForwardRegion:

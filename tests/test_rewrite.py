@@ -1,6 +1,7 @@
 """memsave.gradients equals tf.gradients, for every strategy, in both graph kinds,
 and really recomputes (counted), each region op once per segment."""
 
+import gc
 import re
 import warnings
 
@@ -202,3 +203,36 @@ def test_residual_stream_is_recomputed_once_not_per_segment(strategy):
     assert len(copies) == report.copied_ops <= len(region)
     assert any("several segments" in c.reason for c in report.checkpoints)
     assert_same_gradients(expected, got)
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_the_cycle_collector_is_off_while_building_and_as_it_was_after(collector_on):
+    """Building a large step allocates many long-lived objects; memsave pauses Python's
+    cycle collector while it plans and rewrites, and restores the caller's setting after
+    success and failure alike (the caller's own gc.disable() is kept)."""
+    seen = []
+
+    def recording(region):
+        seen.append(gc.isenabled())
+        return "memory"
+
+    def failing(region):
+        seen.append(gc.isenabled())
+        raise RuntimeError("strategy failed")
+
+    graph = tf.Graph()
+    was = gc.isenabled()
+    try:
+        (gc.enable if collector_on else gc.disable)()
+        with graph.as_default():
+            ys, xs, _ = _models.tanh_chain(n=30)
+            memsave.gradients(ys, xs, checkpoints=lambda region: recording(region) and [])
+            assert gc.isenabled() == collector_on
+            with pytest.raises(RuntimeError, match="strategy failed"):
+                memsave.gradients(ys, xs, checkpoints=failing)
+            assert gc.isenabled() == collector_on
+            memsave.plan(ys, xs, checkpoints=lambda region: recording(region) and [])
+            assert gc.isenabled() == collector_on
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False, False, False]

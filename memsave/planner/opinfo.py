@@ -12,7 +12,6 @@ over-predict memory.
 import functools
 import math
 
-import numpy as np
 
 # Gradient reads nothing of the forward pass but static shapes.
 _READS_NOTHING = frozenset([
@@ -157,8 +156,7 @@ def conv_gradient_workspace(op, differentiated, threads):
 
 
 def _elements(shape):
-    dims = [1 if d is None else d for d in shape]
-    return int(np.prod(dims, dtype=np.int64)) if dims else 1
+    return math.prod(1 if d is None else d for d in shape)
 
 
 def output_elements(op):
