@@ -278,7 +278,6 @@ def test_budget_that_plain_gradients_meet_recomputes_nothing():
     assert not report.segments
 
 
-@pytest.mark.planner_fallback
 def _matmul_chain_graph(n):
     """x -> (tanh(h @ w_i)) n times -> sum: matmul outputs are worth keeping (expensive);
     widths alternate 256 and 384, so a freed 384-wide chunk serves a 256-wide tensor whole."""
@@ -320,6 +319,29 @@ def test_smaller_budgets_never_predict_larger_peaks_and_cost_more(monkeypatch, b
             previous = report
     # ... and the largest budget buys strictly less recomputation than the smallest.
     assert first.recompute_flops < previous.recompute_flops
+
+
+@pytest.mark.parametrize("answer", [0, 1, 2, 5, 16, 17, 29, 30])
+@pytest.mark.parametrize("start", [0, 1, 17, 30])
+def test_prefix_searches_find_the_longest_prefix_and_step_down_from_a_bound(answer, start):
+    """Budget searches find the longest prefix that fits by live tensors (binary search),
+    then step down from it with the allocator's replay: one probe where the live answer
+    fits as the allocator holds it, few where it is near."""
+    probes = []
+
+    def ok(n):
+        probes.append(n)
+        return n <= answer
+
+    assert search._longest(0, 30, ok) == answer
+    assert len(probes) <= 5  # (log2 of 31 candidates)
+    high = max(start, answer)  # (a live bound is never below the allocator's answer)
+    probes.clear()
+    assert search._longest_from(high, ok) == answer
+    if high == answer:
+        assert probes == [answer] or (answer == 0 and probes == [])
+    assert len(probes) <= 2 * (high - answer).bit_length() + 1
+    assert all(n <= high for n in probes)
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5, "half", None, True, float("nan")])

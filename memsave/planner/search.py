@@ -14,7 +14,10 @@ by the one segment that reads them, so they never make a cut expensive.
   those plans, each also with the outputs of expensive ops kept while they fit.
   A plan fits when the chunks the device's allocator would hold for it do
   (MemoryModel.predict(..., allocator=True)), where the model simulates one: a
-  plan filled up to the limit by its live tensors alone would overrun it.
+  plan filled up to the limit by its live tensors alone would overrun it. The
+  allocator never holds less than the tensors, so each search runs on live
+  tensors first and replays only near its answer (a replay costs about as much
+  as the simulation it replays).
   Where host offload is allowed (`Offloadable`), a plan that does not fit may
   still fit with some of its checkpoints offloaded (earliest first: they wait
   longest for their backward), and its cost is then recomputation plus transfers.
@@ -180,29 +183,32 @@ class _Search:
         return self.model.predict(plan, offloaded, self.offloadable.prefetch,
                                   self.offloadable.flops_per_byte, allocator=allocator)
 
-    def fits(self, plan, offloaded, limit_bytes):
-        """Whether `plan` peaks within `limit_bytes`: its live tensors, and the chunks the
-        device's allocator holds for them, where the model simulates one."""
+    def fits(self, plan, offloaded, limit_bytes, allocator=True):
+        """Whether `plan` peaks within `limit_bytes`: its live tensors, and (`allocator`)
+        the chunks the device's allocator holds for them, where the model simulates one."""
         if self.predict(plan, offloaded).peak_bytes > limit_bytes:
             return False  # (the allocator never holds less than the tensors)
-        return self.predict(plan, offloaded, allocator=True).device_peak_bytes <= limit_bytes
+        return (not allocator or self.predict(plan, offloaded, allocator=True).device_peak_bytes
+                <= limit_bytes)
 
-    def fit(self, plan, limit_bytes):
+    def fit(self, plan, limit_bytes, allocator=True):
         """(Prediction, plan, offloaded) of `plan` within `limit_bytes` (as `fits`): as
-        it is, or with the fewest of its checkpoints offloaded (earliest first), or None."""
-        if self.fits(plan, [], limit_bytes):
-            return self.predict(plan, allocator=True), list(plan), []
+        it is, or with the fewest of its checkpoints offloaded (earliest first), or None.
+
+        The fewest offloaded whose live tensors fit is found first (no replay); the
+        allocator's chunks never hold less, so its answer is searched from there up."""
+        if self.fits(plan, [], limit_bytes, allocator):
+            return self.predict(plan, allocator=allocator), list(plan), []
         movable = self.movable(plan)
-        if not movable or not self.fits(plan, movable, limit_bytes):
+        if not movable or not self.fits(plan, movable, limit_bytes, allocator):
             return None
-        low, high = 1, len(movable)  # the shortest prefix that fits (binary search)
-        while low < high:
-            middle = (low + high) // 2
-            if self.fits(plan, movable[:middle], limit_bytes):
-                high = middle
-            else:
-                low = middle + 1
-        return self.predict(plan, movable[:low], allocator=True), list(plan), movable[:low]
+        fewest = len(movable) - _longest(0, len(movable) - 1, lambda kept: self.fits(
+            plan, movable[:len(movable) - kept], limit_bytes, allocator=False))
+        if allocator:
+            fewest = len(movable) - _longest_from(len(movable) - fewest, lambda kept: self.fits(
+                plan, movable[:len(movable) - kept], limit_bytes))
+        offloaded = movable[:fewest]
+        return self.predict(plan, offloaded, allocator=allocator), list(plan), offloaded
 
     def movable(self, plan):
         """The checkpoints of `plan` that may be offloaded, made earliest first."""
@@ -262,18 +268,43 @@ class _Search:
 
     def with_expensive_outputs(self, plan, expensive, limit_bytes):
         """`plan` plus the longest prefix of `expensive` (best saving per byte first)
-        that keeps the predicted peak <= limit_bytes (binary search), offloading
-        where that is allowed and needed."""
+        that keeps the predicted peak <= limit_bytes, offloading where that is allowed
+        and needed. The longest prefix whose live tensors fit is found first (binary
+        search, no replay); the allocator's chunks never hold less, so its answer is
+        searched from there down, near where it usually is."""
         chosen = set(plan)
         extra = [t for t in expensive if t not in chosen]
-        low, high = 0, len(extra)
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self.fit(list(plan) + extra[:middle], limit_bytes) is not None:
-                low = middle
-            else:
-                high = middle - 1
-        return list(plan) + extra[:low]
+
+        def fits(count, allocator):
+            return self.fit(list(plan) + extra[:count], limit_bytes, allocator) is not None
+
+        most = _longest(0, len(extra), lambda count: fits(count, False))
+        return list(plan) + extra[:_longest_from(most, lambda count: fits(count, True))]
+
+
+def _longest(low, high, ok):
+    """The largest n in [low, high] with ok(n), for `ok` true up to some n and false
+    after it (binary search); `low` when there is none."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        if ok(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _longest_from(high, ok):
+    """_longest(0, high, ok), probing from `high` down: high, high - 2, high - 6,
+    high - 14, ... until one is ok, then a binary search in the last step. Costs one
+    probe where `high` is the answer, and few where it is near it."""
+    failed, step = high + 1, 1
+    while failed > 0:
+        candidate = max(failed - step, 0)
+        if candidate == 0 or ok(candidate):
+            return _longest(candidate, failed - 1, ok)
+        failed, step = candidate, step * 2
+    return 0
 
 
 def _ranked(graph, expensive):
@@ -336,13 +367,17 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
     # With offload, every segment size: fine cuts whose checkpoints wait on the host
     # reach peaks that no plan without offload reaches.
     plans = search.cut_plans() if search.offloadable is None else search.all_cut_plans()
-    found = [f for f in (search.fit(plan, limit_bytes) for plan in plans) if f is not None]
+    # Live tensors first (no replay); the allocator is asked only about the plans
+    # filled below and, at the end, about the cheapest until one fits.
+    found = [f for f in (search.fit(plan, limit_bytes, allocator=False) for plan in plans)
+             if f is not None]
     ranked = _ranked(model.graph, expensive)
     if ranked and found:
         # The plan with the most headroom may take the most expensive outputs.
         found.sort(key=lambda f: f[0].cost_flops)
         roomiest = min(found, key=lambda f: f[0].peak_bytes)
-        for _, plan, _ in found[:augmented] + [roomiest]:
+        bases = _first_fitting(search, found, limit_bytes, augmented)
+        for _, plan, _ in bases + ([roomiest] if roomiest not in bases else []):
             fitted = search.fit(search.with_expensive_outputs(plan, ranked, limit_bytes),
                                 limit_bytes)
             if fitted is not None:
@@ -350,6 +385,20 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
     if search.offloadable is not None:  # never costlier than the plan without offload
         found.append(within_budget(model, limit_bytes, expensive, exact, augmented))
     return _cheapest(search, (f for f in found if f is not None), limit_bytes)
+
+
+def _first_fitting(search, found, limit_bytes, count):
+    """The first `count` of `found` (each fitting by its live tensors) that fit as the
+    device's allocator holds them."""
+    fitting = []
+    for prediction, plan, offloaded in found:
+        if len(fitting) == count:
+            break
+        fitted = search.fit(plan, limit_bytes) if offloaded else (
+            (prediction, plan, offloaded) if search.fits(plan, [], limit_bytes) else None)
+        if fitted is not None:
+            fitting.append(fitted)
+    return fitting
 
 
 def _cheapest(search, found, limit_bytes):
