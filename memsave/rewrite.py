@@ -137,7 +137,8 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
     tf.function bodies: every call tf.gradients answers, memsave answers the same
     (the same structure, dtypes and values). Where it can save nothing (no y
     depends on an x, integer ys, tensors captured from an enclosing graph, ...)
-    plain tf.gradients answers, and `last_report()` says why.
+    plain tf.gradients answers, and `last_report()` says why. Python's cycle
+    collector is paused during the call and restored after it.
 
     Args:
       ys: a tensor or list of tensors to differentiate.
