@@ -95,6 +95,7 @@ def always_rewrite(enabled=True):
     finally:
         _switches.always_rewrite = previous
 
+
 _collector_lock = threading.Lock()
 _collector_pauses = [0, False]  # [calls in progress, whether the collector was on at the first]
 
