@@ -202,12 +202,14 @@ class _Search:
         movable = self.movable(plan)
         if not movable or not self.fits(plan, movable, limit_bytes, allocator):
             return None
-        fewest = len(movable) - _longest(0, len(movable) - 1, lambda kept: self.fits(
-            plan, movable[:len(movable) - kept], limit_bytes, allocator=False))
+
+        def fits_keeping(kept, allocator):  # (kept: how many of the latest stay on the device)
+            return self.fits(plan, movable[:len(movable) - kept], limit_bytes, allocator)
+
+        kept = _longest(0, len(movable) - 1, lambda count: fits_keeping(count, False))
         if allocator:
-            fewest = len(movable) - _longest_from(len(movable) - fewest, lambda kept: self.fits(
-                plan, movable[:len(movable) - kept], limit_bytes))
-        offloaded = movable[:fewest]
+            kept = _longest_from(kept, lambda count: fits_keeping(count, True))
+        offloaded = movable[:len(movable) - kept]
         return self.predict(plan, offloaded, allocator=allocator), list(plan), offloaded
 
     def movable(self, plan):
@@ -391,11 +393,10 @@ def _first_fitting(search, found, limit_bytes, count):
     """The first `count` of `found` (each fitting by its live tensors) that fit as the
     device's allocator holds them."""
     fitting = []
-    for prediction, plan, offloaded in found:
+    for _, plan, _ in found:
         if len(fitting) == count:
             break
-        fitted = search.fit(plan, limit_bytes) if offloaded else (
-            (prediction, plan, offloaded) if search.fits(plan, [], limit_bytes) else None)
+        fitted = search.fit(plan, limit_bytes)
         if fitted is not None:
             fitting.append(fitted)
     return fitting
