@@ -34,10 +34,14 @@ class CheckpointInfo:
 
 @dataclasses.dataclass
 class SegmentInfo:
-    """One recomputed segment: the tensors it ends at and what it copies."""
+    """One recomputed segment: the tensors it ends at, the ops it copies, and of those
+    the ones that run (recomputed_ops; a copy whose outputs no gradient reads, e.g. of
+    a ReLU whose gradient reads the kept checkpoint, is never run) and the bytes they
+    make."""
     ends_at: List[str]
     copied_ops: int
     recomputed_bytes: int
+    recomputed_ops: int = 0
 
 
 @dataclasses.dataclass
@@ -65,6 +69,9 @@ class RewriteReport:
     `deferred_gradients` counts the weight gradients made after the last segment's
     backward pass, not where their op's gradient runs (memsave.planner.graph's
     StepGraph.deferred: each is larger than what computing it reads).
+    `reads_checkpoints` says whether each segment's gradients read the checkpoint it
+    ends at as the forward pass made it rather than recomputing it (chosen where that
+    costs no memory worth counting, or stays within a budget: memsave.rewrite).
     """
     strategy: str
     region_ops: int
@@ -88,6 +95,7 @@ class RewriteReport:
     predicted_host_bytes: int = 0
     transfer_flops: int = 0
     deferred_gradients: int = 0
+    reads_checkpoints: bool = False
 
     @property
     def kept_bytes(self):
@@ -96,6 +104,10 @@ class RewriteReport:
     @property
     def copied_ops(self):
         return sum(s.copied_ops for s in self.segments)
+
+    @property
+    def recomputed_ops(self):
+        return sum(s.recomputed_ops for s in self.segments)
 
     @property
     def recomputed_bytes(self):
@@ -114,7 +126,7 @@ class RewriteReport:
                 f"({_mb(self.kept_bytes)} kept; largest "
                 f"{', '.join(f'{c.name} {_mb(c.bytes)}' for c in largest)}) over a region of "
                 f"{self.region_ops} ops; {len(self.segments)} segments recompute "
-                f"{self.copied_ops} ops ({_mb(self.recomputed_bytes)}), about "
+                f"{self.recomputed_ops} ops ({_mb(self.recomputed_bytes)}), about "
                 f"{self.recompute_fraction:.0%} of a forward pass; {len(self.not_recomputable)} "
                 f"ops kept as not recomputable{self._deferred()}{self._offload()}"
                 f"{self._peaks()}")
@@ -159,8 +171,10 @@ class RewriteReport:
             lines += ["not recomputable (outputs kept, never re-run):"]
             lines += [f"  {name}: {why}" for name, why in self.not_recomputable]
         if self.segments:
-            lines += ["recomputed segments (in backward order):"]
-            lines += [f"  ends at {', '.join(s.ends_at)[:60]:<60} {s.copied_ops:>5} ops "
+            lines += ["recomputed segments (in backward order; each "
+                      + ("reads" if self.reads_checkpoints else "recomputes")
+                      + " the checkpoint it ends at):"]
+            lines += [f"  ends at {', '.join(s.ends_at)[:60]:<60} {s.recomputed_ops:>5} ops "
                       f"{_mb(s.recomputed_bytes):>10}" for s in self.segments]
         return "\n".join(lines)
 

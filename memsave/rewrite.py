@@ -10,7 +10,10 @@
    penalty or a Hessian-vector product);
 4. the last segment (checkpoints -> ys) is copied and differentiated;
 5. earlier segments, in reverse topological order, are copied and
-   differentiated with the accumulated gradient of their checkpoints;
+   differentiated with the accumulated gradient of their checkpoints; their
+   gradient ops read small tensors (and, where the plan says so, the checkpoint
+   the segment ends at) as the forward pass made them, so the copies that would
+   only remake them never run (memsave.planner.segments);
 6. copies wait, through control inputs, for what must come first (the forward
    ys, or the gradient of their checkpoints), or they would run during the
    forward pass and nothing would be saved; weight gradients larger than what
@@ -324,10 +327,8 @@ def _report(strategy_name, region, kept, dropped, offloader):
         info.offloaded = offloader.applies_to(c.tensor)
         if info.offloaded:
             offloaded.append(graph.id_of(c.tensor))
-    options = offloader.options
-    prediction = model.predict([graph.id_of(c.tensor) for c in kept], offloaded,
-                               *((options.prefetch, options.flops_per_byte) if offloaded else ()),
-                               allocator=True)
+    prediction, report.reads_checkpoints = _final_prediction(
+        model, region, [graph.id_of(c.tensor) for c in kept], offloaded, offloader.options)
     report.predicted_peak_bytes = prediction.device_peak_bytes
     report.predicted_live_bytes = prediction.peak_bytes
     report.predicted_host_bytes = prediction.host_bytes
@@ -344,6 +345,33 @@ def _report(strategy_name, region, kept, dropped, offloader):
             f"{prediction.device_peak_bytes / 2**20:.3g} MB, not below tf.gradients' "
             f"{baseline.device_peak_bytes / 2**20:.3g} MB, so plain tf.gradients was used")
     return report
+
+
+# A plan reads its checkpoints where that raises its predicted peak by at most this much.
+_READ_CHECKPOINTS_TOLERANCE = 0.01
+
+
+def _final_prediction(model, region, checkpoints, offloaded, options):
+    """(prediction, reads_checkpoints) of the chosen plan.
+
+    Its segments read their checkpoints as the forward pass made them where they may
+    (planner.may_read_checkpoints) and the strategy chose so (a budget searches both
+    kinds of plan), or, where it did not choose, if that recomputes less and keeps the
+    predicted peak within _READ_CHECKPOINTS_TOLERANCE of recomputing them: reading
+    holds each checkpoint through the later segment's backward pass, and a segment
+    ending at a ReLU then runs nothing."""
+    extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
+    chosen = region.cache.get(planner.READ_CHECKPOINTS)
+    recomputing = model.predict(checkpoints, offloaded, *extra, allocator=True)
+    if chosen is False or not planner.may_read_checkpoints(region):
+        return recomputing, False
+    reading = model.predict(checkpoints, offloaded, *extra, allocator=True,
+                            read_checkpoints=True)
+    if chosen or (reading.cost_flops < recomputing.cost_flops
+                  and reading.device_peak_bytes
+                  <= recomputing.device_peak_bytes * (1 + _READ_CHECKPOINTS_TOLERANCE)):
+        return reading, True
+    return recomputing, False
 
 
 class _Options:
@@ -477,6 +505,12 @@ class _Rewrite:
         # other gradients.
         self.step_graph = planner.model_of(region).graph
         self.defer = bool(self.step_graph.deferred)
+        # Which tensors the segments' gradients read from the forward pass (the plan's
+        # segmentation decides, as the memory model simulates it).
+        ids = [self.step_graph.id_of(c) for c in self.checkpoints]
+        self.segmentation = Segmentation(self.step_graph, ids, [
+            tid for tid, c in zip(ids, self.checkpoints) if offloader.applies_to(c)],
+            read_checkpoints=report.reads_checkpoints)
         self.deferred_cones, self.other_gradients = [], []
 
     def run(self):
@@ -540,6 +574,7 @@ class _Rewrite:
             made_before = max(_tf_private.creation_index(t.op) for t in copied_ys + locals_)
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
+            self._read_from_forward(ops, copy, made_before, gate)
             deferred = self._deferred_cones(local_inputs, grads, made_before)
             if gate is not None:
                 # The gradients leave the segment materialised too: XLA would otherwise
@@ -551,11 +586,35 @@ class _Rewrite:
         for t, g in zip(local_inputs, grads):
             if g is not None:
                 self._add(t, g)
+        running = _copies_that_run(copy.ops, made_before)
         self.report.segments.append(report_lib.SegmentInfo(
-            ends_at=[y.name for y in seg_ys], copied_ops=len(copy),
-            recomputed_bytes=sum(estimated_bytes(t) for op in copy.ops for t in op.outputs)))
-        logger.debug("memsave: %s recomputes %d ops ending at %s", label, len(copy),
+            ends_at=[y.name for y in seg_ys], copied_ops=len(copy), recomputed_ops=len(running),
+            recomputed_bytes=sum(estimated_bytes(t) for op in running for t in op.outputs)))
+        logger.debug("memsave: %s recomputes %d ops ending at %s", label, len(running),
                      [y.name for y in seg_ys])
+
+    def _read_from_forward(self, ops, copy, made_before, gate):
+        """The segment's gradient ops (made after `made_before`) read the tensors that
+        Segmentation.reads_forward names as the forward pass made them, not from their
+        copies; a copy that nothing else reads is never run (TensorFlow prunes it).
+        Under XLA they read them through the segment's conditional, as the copies read
+        their inputs (see `_xla_gate`)."""
+        graph = self.step_graph
+        for op in ops:
+            for t in op.outputs:
+                tid = graph.tensor_id.get((op, t.value_index))
+                if tid is None or not self.segmentation.reads_forward(tid):
+                    continue
+                copied = copy.transformed(t)
+                readers = [r for r in copied.consumers()
+                           if _tf_private.creation_index(r) > made_before]
+                if not readers:
+                    continue
+                source = t if gate is None else _gated(t, gate, name="forward")
+                for reader in readers:
+                    for index, x in enumerate(reader.inputs):
+                        if tensor_key(x) == tensor_key(copied):
+                            _tf_private.update_input(reader, index, source)
 
     def _deferred_cones(self, local_inputs, grads, made_before):
         """Records the ops that make this segment's deferred weight gradients (one set
@@ -748,6 +807,18 @@ def _serialize_conv_gradients(copied_ops, deferred=frozenset()):
                 partner = filter_grads.get(tensor_key(consumer.inputs[2]))
                 if partner is not None:
                     _tf_private.add_control_inputs(consumer, [partner])
+
+
+def _copies_that_run(copied_ops, made_before):
+    """The copies a step runs: those whose outputs a gradient op (made after
+    `made_before`) or another copy that runs reads; TensorFlow prunes the others."""
+    members = set(copied_ops)
+    running = set()
+    for op in reversed(copied_ops):  # copies are made producers first
+        if any((c in running) if c in members else _tf_private.creation_index(c) > made_before
+               for t in op.outputs for c in t.consumers()):
+            running.add(op)
+    return [op for op in copied_ops if op in running]
 
 
 def _wait_for(cone, trigger_ops):

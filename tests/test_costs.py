@@ -54,21 +54,30 @@ def test_use_selects_the_costs_a_model_is_built_with_and_restores_on_exit():
 
 
 def test_the_price_of_a_segment_decides_how_many_segments_a_budget_makes():
-    """In a chain of tanh every plan recomputes every tanh once (each segment from its
-    checkpoint), so what separates plans within a budget is their segments: free
-    segments let the budget take the lowest peak, dear ones the fewest segments."""
-    def plan(segment_overhead):
-        with tf.Graph().as_default():
-            with costs.use(costs.Costs(per_element=35.0, segment_overhead=segment_overhead)):
-                x = tf.constant(np.ones([256, 256], np.float32))
-                h = x
-                for _ in range(48):
-                    h = tf.tanh(h)
-                return memsave.plan(tf.reduce_sum(h), [x], checkpoints=memsave.budget(0.7))
-    free, dear = plan(0.0), plan(1e9)
-    assert dear.predicted_peak_bytes <= 0.7 * dear.baseline_peak_bytes
+    """In a chain of tanh every plan recomputes every tanh once, but for the checkpoints
+    (a tanh's gradient reads its kept output), so what separates plans within a budget is
+    their segments: free segments let the budget keep more tensors, each saving one
+    tanh's recomputation; dear ones make the fewest segments that fit."""
+    free_costs = costs.Costs(per_element=35.0, segment_overhead=0.0)
+    with tf.Graph().as_default() as graph:
+        x = tf.constant(np.ones([256, 256], np.float32))
+        h = x
+        for _ in range(48):
+            h = tf.tanh(h)
+        loss = tf.reduce_sum(h)
+        reports = {}
+        for name, cost_model in (("free", free_costs),
+                                 ("dear", costs.Costs(per_element=35.0, segment_overhead=1e9))):
+            with costs.use(cost_model):
+                reports[name] = memsave.plan(loss, [x], checkpoints=memsave.budget(0.7))
+        with costs.use(free_costs):  # the dear plan, priced as the free plan was
+            dear_plan = [graph.get_tensor_by_name(c.name) for c in reports["dear"].checkpoints]
+            dear_at_free_costs = memsave.plan(loss, [x], checkpoints=dear_plan)
+    free, dear = reports["free"], reports["dear"]
+    for report in (free, dear):
+        assert report.predicted_peak_bytes <= 0.7 * report.baseline_peak_bytes
     assert len(dear.checkpoints) < len(free.checkpoints)
-    assert free.predicted_peak_bytes < dear.predicted_peak_bytes
+    assert free.recompute_flops < dear_at_free_costs.recompute_flops
 
 
 def test_calibration_measures_memory_bound_ops_dearer_than_their_flops():

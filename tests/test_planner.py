@@ -65,6 +65,22 @@ def test_rewritten_peak_of_a_chain_with_one_checkpoint():
                                            + 9 * price.op_overhead)
 
 
+def test_a_plan_that_reads_its_checkpoint_recomputes_less_and_holds_it_longer():
+    """The first half's gradient of its last tanh reads the kept checkpoint instead of
+    recomputing it: one tanh fewer, but the checkpoint stays alive through the second
+    half's backward pass (rather than until that half's copies have read it)."""
+    with tf.Graph().as_default():
+        model, outs, _, _ = _tanh_chain(8)
+        recomputing = model.predict(_ids(model, [outs[3]]))
+        reading = model.predict(_ids(model, [outs[3]]), read_checkpoints=True)
+    assert reading.reads_checkpoints and not recomputing.reads_checkpoints
+    # At the gradient of the last tanh: as above, and the checkpoint.
+    assert reading.peak_bytes == 8 * S + SUM_AXES == recomputing.peak_bytes + S
+    price = costs.DEFAULT_COSTS
+    assert recomputing.recompute_flops - reading.recompute_flops == int(
+        256 * 256 * price.per_element + price.op_overhead)
+
+
 def test_buffers_shared_by_reshapes_cost_nothing():
     with tf.Graph().as_default():
         plain, outs, _, _ = _tanh_chain(8)
@@ -130,15 +146,21 @@ def _random_dag(rng, n_ops):
     return planner.model_of(ForwardRegion.build([loss], [x]))
 
 
+_READ_MODES = (False, True)  # segments recompute their checkpoints, or read them
+
+
 def _brute_force(model, limit):
-    """Least recompute cost over every subset of candidate tensors with peak <= limit."""
+    """Least recompute cost over every subset of candidate tensors, read or recomputed
+    by their segments, with peak <= limit."""
     tensors = search.Candidates(model.graph).tensors
     best = None
     for r in range(1, len(tensors) + 1):
         for subset in itertools.combinations(tensors, r):
-            prediction = model.predict(list(subset))
-            if prediction.peak_bytes <= limit and (best is None or prediction.recompute_flops < best):
-                best = prediction.recompute_flops
+            for read in _READ_MODES:
+                prediction = model.predict(list(subset), read_checkpoints=read)
+                if prediction.peak_bytes <= limit and (best is None
+                                                       or prediction.recompute_flops < best):
+                    best = prediction.recompute_flops
     return best
 
 
@@ -168,15 +190,15 @@ def test_budget_plan_on_a_chain_is_optimal(seed):
 
 def _brute_force_with_offload(model, limit, offloadable):
     """Least cost (recomputation + transfers) over every subset of candidate tensors and
-    every subset of it offloaded, with peak <= limit."""
+    every subset of it offloaded, read or recomputed by their segments, with peak <= limit."""
     tensors = search.Candidates(model.graph).tensors
-    costs = [model.predict(list(kept), list(offloaded), offloadable.prefetch,
-                           offloadable.flops_per_byte).cost_flops
-             for r in range(1, len(tensors) + 1) for kept in itertools.combinations(tensors, r)
-             for k in range(len(kept) + 1) for offloaded in itertools.combinations(kept, k)
-             if model.predict(list(kept), list(offloaded), offloadable.prefetch,
-                              offloadable.flops_per_byte).peak_bytes <= limit]
-    return min(costs, default=None)
+    predictions = (model.predict(list(kept), list(offloaded), offloadable.prefetch,
+                                 offloadable.flops_per_byte, read_checkpoints=read)
+                   for r in range(1, len(tensors) + 1)
+                   for kept in itertools.combinations(tensors, r)
+                   for k in range(len(kept) + 1) for offloaded in itertools.combinations(kept, k)
+                   for read in _READ_MODES)
+    return min((p.cost_flops for p in predictions if p.peak_bytes <= limit), default=None)
 
 
 # (seed, flops_per_byte, whether the optimum at the lowest reachable peak offloads): at

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from memsave import planner
 from memsave.region import ForwardRegion
 
 import _models
@@ -236,3 +237,70 @@ def test_the_cycle_collector_is_off_while_building_and_as_it_was_after(collector
     finally:
         (gc.enable if was else gc.disable)()
     assert seen == [False, False, False]
+
+
+def _conv_bn_relu_chain(blocks=2, channels=8):
+    """`blocks` times conv -> fused batch norm -> ReLU, on variables (nothing folds);
+    returns the loss, the xs and each block's (convolution output, ReLU output)."""
+    read = tf.convert_to_tensor  # each variable read once: the xs are those reads
+    h = read(_models._var([4, 32, 32, channels], 40, 1.0))
+    xs, blocks_out = [h], []
+    for i in range(blocks):
+        kernel = read(_models._var([3, 3, channels, channels], 41 + i, 0.2))
+        scale = read(_models._var([channels], 51 + i, 0.1))
+        conv = tf.nn.conv2d(h, kernel, strides=1, padding="SAME")
+        normed, _, _ = tf.compat.v1.nn.fused_batch_norm(conv, scale + 1.0, tf.zeros([channels]),
+                                                       epsilon=1e-3, is_training=True)
+        h = tf.nn.relu(normed)
+        xs += [kernel, scale]
+        blocks_out.append((conv, h))
+    return tf.reduce_sum(h * h), xs, blocks_out
+
+
+def _copies_run(session, fetches):
+    """The original names of the recomputed copies that running `fetches` executes."""
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    values = session.run(fetches, options=options, run_metadata=metadata)
+    names = {node.node_name for device in metadata.step_stats.dev_stats
+             for node in device.node_stats}
+    return values, sorted(_COPY_NAME.sub("", n) for n in names if _COPY_NAME.match(n))
+
+
+@pytest.mark.parametrize("dropped", [(), ("relu", 0)], ids=["all kept", "first relu dropped"])
+def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped):
+    """A segment's gradients read its checkpoint, and tensors too small to recompute (a
+    batch norm's saved statistics), as the forward pass made them: a ReLU's gradient
+    reads its kept output, a batch norm's its kept input and statistics, so their
+    copies never run (here reading costs no memory, so the plan reads). The copies that
+    do run are the ones the memory model predicts (Segmentation.executed), and the
+    gradients are tf.gradients'."""
+    _models.reset_variables()
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, blocks = _conv_bn_relu_chain()
+        checkpoints = [conv for conv, _ in blocks] + [
+            relu for i, (_, relu) in enumerate(blocks) if dropped != ("relu", i)]
+        expected = tf.gradients(loss, xs)
+        got = memsave.gradients(loss, xs, checkpoints=checkpoints)
+        assert memsave.last_report().reads_checkpoints
+        step_graph = planner.StepGraph.build(ForwardRegion.build([loss], xs))
+        segmentation = planner.Segmentation(step_graph,
+                                            [step_graph.id_of(t) for t in checkpoints],
+                                            read_checkpoints=True)
+        predicted = sorted(step_graph.ops[op].name for head in segmentation.order
+                           for op in segmentation.executed(head))
+        # Grappler off: it would fuse a batch norm and its ReLU into one node.
+        config = tf.compat.v1.ConfigProto()
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            expected = session.run(expected)
+            got, run = _copies_run(session, got)
+    assert run == predicted
+    if dropped:  # the dropped ReLU, the batch norm that feeds it, and its scale
+        assert sorted(graph.get_operation_by_name(name).type for name in run) == [
+            "AddV2", "FusedBatchNormV3", "Relu"]
+    else:
+        assert run == []
+    assert_same_gradients(expected, got)

@@ -41,11 +41,16 @@ def _memsave(checkpoints="memory"):
 
 
 def _recomputed(step, x, op_type):
-    """Recomputed ops of `op_type` whose output is read (a copy that ends a segment and
-    whose gradient does not read its output is dead code, which XLA removes)."""
+    """Recomputed ops of `op_type` that run: whose outputs an op that is not a copy
+    reads, or a copy that runs (a copy that ends a segment and whose gradient does not
+    read its output, or reads the kept checkpoint, is dead code, which XLA removes)."""
     graph = step.get_concrete_function(x).graph
-    return sum(1 for op in graph.get_operations()
-               if is_copy(op) and op.type == op_type and op.outputs[0].consumers())
+    copies = [op for op in graph.get_operations() if is_copy(op)]
+    running = set()
+    for op in reversed(copies):  # (made producers first)
+        if any(c in running or not is_copy(c) for t in op.outputs for c in t.consumers()):
+            running.add(op)
+    return sum(1 for op in running if op.type == op_type)
 
 
 @pytest.mark.parametrize("checkpoints", ["memory", "every_fourth"])

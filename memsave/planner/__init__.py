@@ -12,6 +12,7 @@ searches that choose checkpoints with them.
 """
 
 from memsave.errors import MemsaveError
+from memsave.graph import _tf_private
 from memsave.planner import allocator
 from memsave.planner.costs import Costs, calibrate
 from memsave.planner.graph import StepGraph
@@ -21,6 +22,8 @@ from memsave.planner.segments import Segmentation
 
 UNKNOWN_DIM_SIZE = "unknown_dim_size"  # region.cache key: size assumed for unknown dims
 NO_DEFERRAL = "no_deferred_gradients"  # region.cache key: the rewrite makes none last
+READ_CHECKPOINTS = "read_checkpoints"  # region.cache key: whether the strategy's plan reads
+                                      # its checkpoints (Segmentation), where it decided
 
 
 def check_unknown_dim_size(value):
@@ -34,6 +37,14 @@ def check_unknown_dim_size(value):
         raise MemsaveError(f"unknown_dim_size is {value!r}; pass a positive int, e.g. the batch "
                            "size fed to a [None, ...] placeholder")
     return value
+
+
+def may_read_checkpoints(region):
+    """Whether a plan's segments may read their checkpoints as the forward pass made them
+    (Segmentation): not under XLA, where the reads go through conditionals (as the
+    copies' inputs do, see memsave.rewrite._xla_gate) and XLA's buffers for the small
+    CNN of tests/test_memory.py grew from 0.41x to 0.47x of tf.gradients' with them."""
+    return not _tf_private.in_xla_context(region.ys[0].graph)
 
 
 def model_of(region):
@@ -55,4 +66,5 @@ def model_of(region):
 
 
 __all__ = ["StepGraph", "MemoryModel", "Prediction", "Segmentation", "model_of",
+           "may_read_checkpoints",
            "check_unknown_dim_size", "Costs", "calibrate"]

@@ -26,6 +26,10 @@ REGION = 1      # on the path from xs to ys and recomputable
 KEPT = 2        # on the path but never recomputed (stateful, control flow, an x's own op)
 FORWARD = 3     # forward only: does not depend on the xs
 
+# A region tensor of at most 1/SMALL_FRACTION of the largest is read from the forward
+# pass rather than recomputed (StepGraph.small_bytes).
+SMALL_FRACTION = 1024
+
 # v1 while loops have back edges; a topological order ignores them.
 _BACK_EDGE_OP_TYPES = frozenset(["NextIteration", "RefNextIteration"])
 
@@ -60,6 +64,10 @@ class StepGraph:
         one, that gives it a gradient, is in `deferred` for it).
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
+      small_bytes: tensors of the region this small or smaller (1/1024 of its largest)
+        are cheaper to keep from the forward pass than to recompute: a segment's
+        gradients read them as the forward pass made them (Segmentation.reads_forward),
+        e.g. a batch norm's saved mean and variance.
     """
 
     def __init__(self):
@@ -75,6 +83,7 @@ class StepGraph:
         self.rewrite_grad_temporaries = {}
         self.deferred = {}
         self.deferred_tensors = set()
+        self.small_bytes = 0
         self.costs = costs.active()
 
     @classmethod
@@ -97,6 +106,8 @@ class StepGraph:
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
         step._link(region)
+        step.small_bytes = max((step.size[t] for op in step.region_op_ids()
+                                for t in step.outputs[op]), default=0) // SMALL_FRACTION
         if defer:
             step._find_deferred()
         return step

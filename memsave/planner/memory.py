@@ -64,6 +64,8 @@ class Prediction:
       transfer_flops: what those copies cost the step, in FLOPs
         (memsave.planner.costs.transfer_flops).
       deferred_gradients: gradients made after the last segment (StepGraph.deferred).
+      reads_checkpoints: whether the plan's segments read their checkpoints as the
+        forward pass made them (MemoryModel.predict's read_checkpoints).
       allocator_peak_bytes: what the device's allocator holds at its peak, chunks
         rounded up as it hands them out (memsave.planner.allocator), where the model
         simulates one and was asked to (MemoryModel.predict(..., allocator=True));
@@ -83,6 +85,7 @@ class Prediction:
     deferred_gradients: int = 0
     allocator_peak_bytes: Optional[int] = None
     allocator_peak_at: Optional[str] = None
+    reads_checkpoints: bool = False
 
     @property
     def device_peak_bytes(self):
@@ -254,7 +257,7 @@ class MemoryModel:
         return prediction
 
     def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None,
-                allocator=False):
+                allocator=False, read_checkpoints=False):
         """The step as the rewrite builds it with these checkpoint tensor ids.
 
         Args:
@@ -268,14 +271,16 @@ class MemoryModel:
           allocator: also replay the step through the model's allocator
             (`allocator_peak_bytes`); searches rank plans without it, which is
             cheaper, and ask for it where a plan is checked against a limit or reported.
+          read_checkpoints: segments' gradients read the checkpoints as the forward
+            pass made them instead of recomputing them (Segmentation).
         """
         if flops_per_byte is None:
             flops_per_byte = DEFAULT_FLOPS_PER_BYTE
         key = (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
-               (prefetch, flops_per_byte) if offloaded else None)
+               (prefetch, flops_per_byte) if offloaded else None, bool(read_checkpoints))
         return self._cached(key, allocator, lambda replay: self._simulate(
-            key, Segmentation(self.graph, key[0]), frozenset(key[1]), prefetch, flops_per_byte,
-            replay=replay))
+            key, Segmentation(self.graph, key[0], key[1], key[3]), frozenset(key[1]), prefetch,
+            flops_per_byte, replay=replay))
 
     # -- simulation ---------------------------------------------------------------
     def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
@@ -311,6 +316,7 @@ class MemoryModel:
                 out_bytes, back_bytes, len(offloaded) + len(back), self.forward_flops,
                 flops_per_byte, graph.costs.op_overhead) if offloaded else 0,
             deferred_gradients=deferred,
+            reads_checkpoints=segmentation is not None and segmentation.read_checkpoints,
             **(self._replayed(timeline, segmentation) if replay else {}))
 
     def _replayed(self, timeline, segmentation):
@@ -412,7 +418,7 @@ class MemoryModel:
                         local[tid] = local.get(source, forward[source])
                     else:
                         local[tid] = timeline.buffer(step, graph.size[tid], "recomputed")
-            view = _Overlay(local, forward)
+            view = _Overlay(local, forward, segmentation.reads_forward)
             for op in self._backward_order(ops):
                 self._gradient_step(op, view, gradients, timeline, ("backward", op, index),
                                     deferred)
@@ -485,12 +491,16 @@ class MemoryModel:
 
 
 class _Overlay:
-    """Recomputed buffers of a segment over the forward ones."""
+    """Recomputed buffers of a segment over the forward ones; tensors that
+    `reads_forward(tid)` says the gradients read from the forward pass come from there."""
 
-    def __init__(self, local, forward):
+    def __init__(self, local, forward, reads_forward=None):
         self.local = local
         self.forward = forward
+        self.reads_forward = reads_forward
 
     def __getitem__(self, tid):
+        if self.reads_forward is not None and self.reads_forward(tid):
+            return self.forward[tid]
         buffer = self.local.get(tid)
         return self.forward[tid] if buffer is None else buffer

@@ -171,17 +171,20 @@ def _subsets_with_offload(tensors, offloadable):
 class _Search:
     """Predictions of candidate plans, each simulated once."""
 
-    def __init__(self, model, offloadable=None):
+    def __init__(self, model, offloadable=None, read_checkpoints=False):
         self.model = model
         self.offloadable = offloadable if offloadable and offloadable.tensors else None
+        self.read_checkpoints = read_checkpoints  # (as MemoryModel.predict's)
         self.candidates = Candidates(model.graph)
         self._cuts = {}   # segment bytes -> plan
 
     def predict(self, plan, offloaded=(), allocator=False):
         if not offloaded:  # (the model keeps every prediction it made)
-            return self.model.predict(plan, allocator=allocator)
+            return self.model.predict(plan, allocator=allocator,
+                                      read_checkpoints=self.read_checkpoints)
         return self.model.predict(plan, offloaded, self.offloadable.prefetch,
-                                  self.offloadable.flops_per_byte, allocator=allocator)
+                                  self.offloadable.flops_per_byte, allocator=allocator,
+                                  read_checkpoints=self.read_checkpoints)
 
     def fits(self, plan, offloaded, limit_bytes, allocator=True):
         """Whether `plan` peaks within `limit_bytes`: its live tensors, and (`allocator`)
@@ -341,9 +344,12 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
     return search.best([best[1], plan], fits=lambda p: p.peak_bytes <= limit, by_cost=True)
 
 
-def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloadable=None):
+def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloadable=None,
+                  read_checkpoints=(True, False)):
     """The least costly plan with peak <= limit_bytes: (Prediction, checkpoint ids,
-    offloaded ids), or None when no plan fits.
+    offloaded ids), or None when no plan fits. Plans whose segments read their
+    checkpoints (MemoryModel.predict's read_checkpoints; the Prediction says) are
+    searched as well as plans that recompute them: reading costs less and may hold more.
 
     Args:
       model: the MemoryModel.
@@ -355,8 +361,18 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
         expensive outputs added.
       offloadable: an Offloadable, where checkpoints may be offloaded instead of
         recomputed (the cost is then recomputation plus transfers).
+      read_checkpoints: the kinds of plan searched (whether segments read their
+        checkpoints: MemoryModel.predict's read_checkpoints).
     """
-    search = _Search(model, offloadable)
+    found = [_within_budget(_Search(model, offloadable, read), limit_bytes, expensive, exact,
+                            augmented) for read in read_checkpoints]
+    found = [f for f in found if f is not None]
+    return min(found, key=lambda f: (f[0].cost_flops, f[0].device_peak_bytes), default=None)
+
+
+def _within_budget(search, limit_bytes, expensive, exact, augmented):
+    """within_budget for plans of one kind (`search.read_checkpoints`)."""
+    model = search.model
     tensors = search.candidates.tensors
     if exact is None:
         exact = len(tensors) <= (EXACT_BUDGET_LIMIT if search.offloadable is None
@@ -385,7 +401,8 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
             if fitted is not None:
                 found.append(fitted)
     if search.offloadable is not None:  # never costlier than the plan without offload
-        found.append(within_budget(model, limit_bytes, expensive, exact, augmented))
+        found.append(_within_budget(_Search(model, None, search.read_checkpoints),
+                                    limit_bytes, expensive, exact, augmented))
     return _cheapest(search, (f for f in found if f is not None), limit_bytes)
 
 

@@ -8,6 +8,15 @@ the stream to the start (quadratic recomputation). `Segmentation` therefore also
 keeps the tensors read by several segments (found in one reverse pass), so every
 region op is copied by exactly one segment.
 
+A segment's gradients read some tensors of the segment as the forward pass made
+them, not from its copies (`reads_forward`): tensors too small to be worth
+recomputing (a batch norm's saved statistics), and, in plans that read their
+checkpoints (`read_checkpoints`), the checkpoint the segment ends at. A copy whose
+outputs nothing then reads is never run: the segment of a checkpoint made by a
+ReLU, whose gradient reads only that output, then recomputes nothing, but the
+checkpoint stays alive until that segment's backward pass instead of until the
+later segment's recomputation has read it (memsave.rewrite chooses per plan).
+
 This is the one place that decides segments: the memory model simulates them
 and the rewrite (memsave.rewrite) builds them.
 """
@@ -37,11 +46,17 @@ class Segmentation:
       ops: head -> region op ids of that segment, producers first.
       final_ops: path op ids differentiated by the final call through the original
         ops (ops that are not recomputed, and what their gradients reach).
+      offloaded: checkpoint ids kept in host memory (memsave.offload), which segments
+        never read from the forward pass.
+      read_checkpoints: whether segments' gradients read the checkpoints as the
+        forward pass made them (else from their recomputed copies).
     """
 
-    def __init__(self, graph, checkpoints):
+    def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
         self.graph = graph
         self.checkpoints = set(checkpoints)
+        self.offloaded = frozenset(offloaded)
+        self.read_checkpoints = read_checkpoints
         self.shared = []
         self.segment_of = {}
         self._assign()
@@ -99,15 +114,27 @@ class Segmentation:
                     stack.append(producer)
         return sorted(final)
 
+    def reads_forward(self, tid):
+        """Whether segments' gradients read tensor `tid` as the forward pass made it
+        (a small tensor, StepGraph.small_bytes; a checkpoint that stays on the device,
+        where the plan reads its checkpoints) rather than from a recomputed copy."""
+        if tid in self.offloaded:
+            return False
+        if tid in self.checkpoints:
+            return self.read_checkpoints or self.graph.size[tid] <= self.graph.small_bytes
+        return self.graph.size[tid] <= self.graph.small_bytes
+
     def executed(self, head):
         """Region op ids of segment `head` whose copies run: those whose outputs some
-        gradient of the segment reads (directly or through other copies)."""
+        gradient of the segment reads from a copy (not `reads_forward`), directly or
+        through other copies."""
         result = self._executed.get(head)
         if result is not None:
             return result
         graph, ops = self.graph, self.ops[head]
         members = set(ops)
-        needed = {t for op in ops for t in graph.grad_reads[op] if graph.producer[t] in members}
+        needed = {t for op in ops for t in graph.grad_reads[op]
+                  if graph.producer[t] in members and not self.reads_forward(t)}
         result = set()
         for op in reversed(ops):
             if any(t in needed for t in graph.outputs[op]):

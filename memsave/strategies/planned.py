@@ -117,8 +117,9 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
                                    f"fits the budget of {_mb(limit)}: nothing to recompute")
             return []
         offloadable = _offloadable(model, region)
-        best = search.within_budget(model, limit, _expensive_outputs(model.graph),
-                                    offloadable=offloadable)
+        best = search.within_budget(
+            model, limit, _expensive_outputs(model.graph), offloadable=offloadable,
+            read_checkpoints=(True, False) if planner.may_read_checkpoints(region) else (False,))
         if best is None:
             reachable = search.lowest_reachable_peak(model, offloadable)
             reachable = baseline if reachable is None else reachable
@@ -129,6 +130,7 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
                 f"{_mb(reachable)} (tf.gradients: {_mb(baseline)}); raise the budget "
                 f"to at least {_mb(reachable)}{hint}")
         prediction, plan, offloaded = best
+        region.cache[planner.READ_CHECKPOINTS] = prediction.reads_checkpoints
         return _choices(model, plan, f"within budget {_mb(limit)} (predicted peak "
                                      f"{_mb(prediction.device_peak_bytes)})",
                         offloaded if offloadable else None)
