@@ -365,11 +365,18 @@ def _final_prediction(model, region, checkpoints, offloaded, options):
     recomputing = model.predict(checkpoints, offloaded, *extra, allocator=True)
     if chosen is False or not planner.may_read_checkpoints(region):
         return recomputing, False
+    graph = model.graph
+    if not chosen and not any(c in graph.grad_reads[graph.producer[c]] for c in checkpoints):
+        return recomputing, False  # no checkpoint's own gradient reads it: nothing to gain
+    within = 1 + _READ_CHECKPOINTS_TOLERANCE
+    if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
+        reading = model.predict(checkpoints, offloaded, *extra, read_checkpoints=True)
+        if (reading.cost_flops >= recomputing.cost_flops
+                or reading.peak_bytes > recomputing.peak_bytes * within):
+            return recomputing, False
     reading = model.predict(checkpoints, offloaded, *extra, allocator=True,
                             read_checkpoints=True)
-    if chosen or (reading.cost_flops < recomputing.cost_flops
-                  and reading.device_peak_bytes
-                  <= recomputing.device_peak_bytes * (1 + _READ_CHECKPOINTS_TOLERANCE)):
+    if chosen or reading.device_peak_bytes <= recomputing.device_peak_bytes * within:
         return reading, True
     return recomputing, False
 
