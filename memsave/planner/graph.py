@@ -64,10 +64,12 @@ class StepGraph:
         one, that gives it a gradient, is in `deferred` for it).
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
-      small_bytes: tensors of the region this small or smaller (1/1024 of its largest)
-        are cheaper to keep from the forward pass than to recompute: a segment's
-        gradients read them as the forward pass made them (Segmentation.reads_forward),
-        e.g. a batch norm's saved mean and variance.
+      small_bytes: 1/1024 of the region's largest tensor.
+      small: ids of the region tensors of known shape no larger than that: cheaper to
+        keep from the forward pass than to recompute, a segment's gradients read them
+        as the forward pass made them (Segmentation.reads_forward), e.g. a batch norm's
+        saved mean and variance. (Not a tensor of unknown shape: a batch norm's third
+        reserve space is a kernel's workspace of any size.)
     """
 
     def __init__(self):
@@ -84,6 +86,7 @@ class StepGraph:
         self.deferred = {}
         self.deferred_tensors = set()
         self.small_bytes = 0
+        self.small = frozenset()
         self.costs = costs.active()
 
     @classmethod
@@ -106,8 +109,10 @@ class StepGraph:
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
         step._link(region)
-        step.small_bytes = max((step.size[t] for op in step.region_op_ids()
-                                for t in step.outputs[op]), default=0) // SMALL_FRACTION
+        region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
+        step.small_bytes = max((step.size[t] for t in region_tensors), default=0) // SMALL_FRACTION
+        step.small = frozenset(t for t in region_tensors if step.size[t] <= step.small_bytes
+                               and step.tensors[t].shape.is_fully_defined())
         if defer:
             step._find_deferred()
         return step

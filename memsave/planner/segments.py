@@ -116,13 +116,13 @@ class Segmentation:
 
     def reads_forward(self, tid):
         """Whether segments' gradients read tensor `tid` as the forward pass made it
-        (a small tensor, StepGraph.small_bytes; a checkpoint that stays on the device,
-        where the plan reads its checkpoints) rather than from a recomputed copy."""
+        (a small tensor, StepGraph.small; a checkpoint that stays on the device, where
+        the plan reads its checkpoints) rather than from a recomputed copy."""
         if tid in self.offloaded:
             return False
-        if tid in self.checkpoints:
-            return self.read_checkpoints or self.graph.size[tid] <= self.graph.small_bytes
-        return self.graph.size[tid] <= self.graph.small_bytes
+        if tid in self.checkpoints and self.read_checkpoints:
+            return True
+        return tid in self.graph.small
 
     def executed(self, head):
         """Region op ids of segment `head` whose copies run: those whose outputs some
