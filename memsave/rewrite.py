@@ -48,7 +48,7 @@ from memsave.errors import MemsaveError, MemsaveTypeError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops, tensor_key
 from memsave.graph.transform import copy_with_input_replacements
-from memsave.planner.segments import Segmentation
+from memsave.planner.segments import ForwardReads, Segmentation
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion, estimated_bytes
 from memsave.strategies import Choice
 from memsave.strategies.planned import PLAIN
@@ -512,12 +512,12 @@ class _Rewrite:
         # other gradients.
         self.step_graph = planner.model_of(region).graph
         self.defer = bool(self.step_graph.deferred)
-        # Which tensors the segments' gradients read from the forward pass (the plan's
-        # segmentation decides, as the memory model simulates it).
+        # Which tensors the segments' gradients read from the forward pass (as the
+        # memory model simulates the plan).
         ids = [self.step_graph.id_of(c) for c in self.checkpoints]
-        self.segmentation = Segmentation(self.step_graph, ids, [
+        self.reads_forward = ForwardReads(self.step_graph, set(ids), [
             tid for tid, c in zip(ids, self.checkpoints) if offloader.applies_to(c)],
-            read_checkpoints=report.reads_checkpoints)
+            report.reads_checkpoints)
         self.deferred_cones, self.other_gradients = [], []
 
     def run(self):
@@ -602,7 +602,7 @@ class _Rewrite:
 
     def _read_from_forward(self, ops, copy, made_before, gate):
         """The segment's gradient ops (made after `made_before`) read the tensors that
-        Segmentation.reads_forward names as the forward pass made them, not from their
+        ForwardReads names as the forward pass made them, not from their
         copies; a copy that nothing else reads is never run (TensorFlow prunes it).
         Under XLA they read them through the segment's conditional, as the copies read
         their inputs (see `_xla_gate`)."""
@@ -610,7 +610,7 @@ class _Rewrite:
         for op in ops:
             for t in op.outputs:
                 tid = graph.tensor_id.get((op, t.value_index))
-                if tid is None or not self.segmentation.reads_forward(tid):
+                if tid is None or not self.reads_forward(tid):
                     continue
                 copied = copy.transformed(t)
                 readers = [r for r in copied.consumers()

@@ -67,7 +67,7 @@ class StepGraph:
       small_bytes: 1/1024 of the region's largest tensor.
       small: ids of the region tensors of known shape no larger than that: cheaper to
         keep from the forward pass than to recompute, a segment's gradients read them
-        as the forward pass made them (Segmentation.reads_forward), e.g. a batch norm's
+        as the forward pass made them (segments.ForwardReads), e.g. a batch norm's
         saved mean and variance. (Not a tensor of unknown shape: a batch norm's third
         reserve space is a kernel's workspace of any size.)
     """

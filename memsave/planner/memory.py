@@ -494,13 +494,13 @@ class _Overlay:
     """Recomputed buffers of a segment over the forward ones; tensors that
     `reads_forward(tid)` says the gradients read from the forward pass come from there."""
 
-    def __init__(self, local, forward, reads_forward=None):
+    def __init__(self, local, forward, reads_forward):
         self.local = local
         self.forward = forward
         self.reads_forward = reads_forward
 
     def __getitem__(self, tid):
-        if self.reads_forward is not None and self.reads_forward(tid):
+        if self.reads_forward(tid):
             return self.forward[tid]
         buffer = self.local.get(tid)
         return self.forward[tid] if buffer is None else buffer

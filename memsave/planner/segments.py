@@ -9,7 +9,7 @@ keeps the tensors read by several segments (found in one reverse pass), so every
 region op is copied by exactly one segment.
 
 A segment's gradients read some tensors of the segment as the forward pass made
-them, not from its copies (`reads_forward`): tensors too small to be worth
+them, not from its copies (`ForwardReads`): tensors too small to be worth
 recomputing (a batch norm's saved statistics), and, in plans that read their
 checkpoints (`read_checkpoints`), the checkpoint the segment ends at. A copy whose
 outputs nothing then reads is never run: the segment of a checkpoint made by a
@@ -25,6 +25,27 @@ from memsave.planner.graph import KEPT, REGION
 
 LAST = -1       # the segment that ends at the ys
 _SEVERAL = -2   # read by more than one segment
+
+
+class ForwardReads:
+    """Which tensors a plan's segments' gradients read as the forward pass made them,
+    rather than from recomputed copies: a small tensor (StepGraph.small), or a
+    checkpoint that stays on the device where the plan reads its checkpoints.
+    Call it with a tensor id. (Shared by Segmentation, which the memory model
+    simulates, and the rewrite, which reroutes those reads.)"""
+
+    def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
+        self.graph = graph
+        self.checkpoints = checkpoints  # (a set, which Segmentation may still grow)
+        self.offloaded = frozenset(offloaded)
+        self.read_checkpoints = read_checkpoints
+
+    def __call__(self, tid):
+        if tid in self.offloaded:
+            return False
+        if self.read_checkpoints and tid in self.checkpoints:
+            return True
+        return tid in self.graph.small
 
 
 def _merge(a, b):
@@ -46,17 +67,17 @@ class Segmentation:
       ops: head -> region op ids of that segment, producers first.
       final_ops: path op ids differentiated by the final call through the original
         ops (ops that are not recomputed, and what their gradients reach).
-      offloaded: checkpoint ids kept in host memory (memsave.offload), which segments
-        never read from the forward pass.
       read_checkpoints: whether segments' gradients read the checkpoints as the
-        forward pass made them (else from their recomputed copies).
+        forward pass made them (else from their recomputed copies), but for those
+        `offloaded` to host memory (memsave.offload).
+      reads_forward: the ForwardReads of the plan.
     """
 
     def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
         self.graph = graph
         self.checkpoints = set(checkpoints)
-        self.offloaded = frozenset(offloaded)
         self.read_checkpoints = read_checkpoints
+        self.reads_forward = ForwardReads(graph, self.checkpoints, offloaded, read_checkpoints)
         self.shared = []
         self.segment_of = {}
         self._assign()
@@ -113,16 +134,6 @@ class Segmentation:
                     final.add(producer)
                     stack.append(producer)
         return sorted(final)
-
-    def reads_forward(self, tid):
-        """Whether segments' gradients read tensor `tid` as the forward pass made it
-        (a small tensor, StepGraph.small; a checkpoint that stays on the device, where
-        the plan reads its checkpoints) rather than from a recomputed copy."""
-        if tid in self.offloaded:
-            return False
-        if tid in self.checkpoints and self.read_checkpoints:
-            return True
-        return tid in self.graph.small
 
     def executed(self, head):
         """Region op ids of segment `head` whose copies run: those whose outputs some
