@@ -69,7 +69,10 @@ class RewriteReport:
     `deferred_gradients` counts the weight gradients made after the last segment's
     backward pass, not where their op's gradient runs (memsave.planner.graph's
     StepGraph.deferred: each is larger than what computing it reads).
-    `reads_checkpoints` says whether each segment's gradients read the checkpoint it
+    `predicted_segments` and `predicted_recomputed_ops` are the model's count of the
+    plan's segments and of the copies they run (what `memsave.plan` reports; after a
+    rewrite, `segments` lists what was built). `reads_checkpoints` says whether each
+    segment's gradients read the checkpoint it
     ends at as the forward pass made it rather than recomputing it (chosen where that
     costs no memory worth counting, or stays within a budget: memsave.rewrite).
     """
@@ -96,6 +99,8 @@ class RewriteReport:
     transfer_flops: int = 0
     deferred_gradients: int = 0
     reads_checkpoints: bool = False
+    predicted_segments: int = 0
+    predicted_recomputed_ops: int = 0
 
     @property
     def kept_bytes(self):
@@ -125,11 +130,17 @@ class RewriteReport:
         return (f"memsave: strategy {self.strategy}: {len(self.checkpoints)} checkpoints "
                 f"({_mb(self.kept_bytes)} kept; largest "
                 f"{', '.join(f'{c.name} {_mb(c.bytes)}' for c in largest)}) over a region of "
-                f"{self.region_ops} ops; {len(self.segments)} segments recompute "
-                f"{self.recomputed_ops} ops ({_mb(self.recomputed_bytes)}), about "
+                f"{self.region_ops} ops; {self._recomputation()}, about "
                 f"{self.recompute_fraction:.0%} of a forward pass; {len(self.not_recomputable)} "
                 f"ops kept as not recomputable{self._deferred()}{self._offload()}"
                 f"{self._peaks()}")
+
+    def _recomputation(self):
+        if not self.segments:  # (memsave.plan builds none: what the model predicts)
+            return (f"{self.predicted_segments} segments would recompute "
+                    f"{self.predicted_recomputed_ops} ops")
+        return (f"{len(self.segments)} segments recompute {self.recomputed_ops} ops "
+                f"({_mb(self.recomputed_bytes)})")
 
     def _deferred(self):
         if not self.deferred_gradients:

@@ -337,6 +337,8 @@ def _report(strategy_name, region, kept, dropped, offloader):
     report.peak_at = prediction.device_peak_at
     report.recompute_flops = prediction.recompute_flops
     report.deferred_gradients = prediction.deferred_gradients
+    report.predicted_segments = prediction.segments
+    report.predicted_recomputed_ops = prediction.recomputed_ops
     report.forward_flops = prediction.forward_flops
     if (prediction.device_peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline.device_peak_bytes
             and not _always_rewrite()):

@@ -303,3 +303,23 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped):
     # Each batch norm and its scale; the dropped ReLU; never a kept ReLU or a convolution.
     assert types == ["AddV2"] * 2 + ["FusedBatchNormV3"] * 2 + ["Relu"] * bool(dropped)
     assert_same_gradients(expected, got)
+
+
+@pytest.mark.parametrize("checkpoints", ["memory", "conv outputs", "conv and relu outputs"])
+def test_plan_predicts_the_segments_and_the_copies_the_rewrite_runs(checkpoints):
+    """memsave.plan (which builds nothing) counts the segments and the copies that will
+    run as the rewrite then builds them (report.segments, recomputed_ops)."""
+    _models.reset_variables()
+    with tf.Graph().as_default(), memsave.always_rewrite():
+        loss, xs, blocks = _conv_bn_relu_chain(blocks=3)
+        if checkpoints != "memory":
+            checkpoints = [conv for conv, _ in blocks] + (
+                [relu for _, relu in blocks] if checkpoints == "conv and relu outputs" else [])
+        planned = memsave.plan(loss, xs, checkpoints)
+        memsave.gradients(loss, xs, checkpoints=checkpoints)
+        built = memsave.last_report()
+    assert planned.reads_checkpoints == built.reads_checkpoints
+    assert planned.predicted_segments == len(built.segments) > 1
+    assert planned.predicted_recomputed_ops == built.recomputed_ops > 0
+    assert f"{len(built.segments)} segments would recompute {built.recomputed_ops} ops" in (
+        planned.summary())

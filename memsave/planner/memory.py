@@ -56,6 +56,7 @@ class Prediction:
       forward_flops: the same estimate for one forward pass of the region, for scale.
       checkpoint_bytes: bytes of the checkpoints kept.
       segments: number of recomputed segments.
+      recomputed_ops: copies that run (Segmentation.executed), over all segments.
       breakdown: bytes alive at the peak by kind ('resident', 'forward',
         'recomputed', 'offloaded back', 'gradients', 'gradients of xs').
       host_bytes: bytes of offloaded checkpoints, held in host memory (not counted in
@@ -78,6 +79,7 @@ class Prediction:
     forward_flops: int = 0
     checkpoint_bytes: int = 0
     segments: int = 0
+    recomputed_ops: int = 0
     breakdown: Optional[dict] = None
     host_bytes: int = 0
     moved_bytes: int = 0
@@ -310,6 +312,8 @@ class MemoryModel:
             checkpoint_bytes=0 if segmentation is None else sum(
                 graph.size[t] for t in segmentation.checkpoints),
             segments=0 if segmentation is None else len(segmentation.order),
+            recomputed_ops=0 if segmentation is None else sum(
+                len(segmentation.executed(head)) for head in segmentation.order),
             breakdown=timeline.live_at(at),
             host_bytes=out_bytes, moved_bytes=out_bytes + back_bytes,
             transfer_flops=costs.transfer_flops(
