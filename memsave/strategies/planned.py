@@ -56,8 +56,8 @@ def lowest_peak(tolerance=None):
             return []
         prediction, plan = best  # (ranked by live tensors: the report replays the allocator)
         # Its segments recompute their checkpoints: reading them instead holds each one
-        # through the next segment's backward pass (on the benchmarks' CNN 2 MB more
-        # predicted, 8.7 MB more measured), and the lowest peak is what was asked for.
+        # through the next segment's backward pass (on a chain, one tensor more at the
+        # peak: tests/test_planner.py), and the lowest peak is what was asked for.
         region.cache[planner.READ_CHECKPOINTS] = False
         return _choices(model, plan, f"lowest predicted peak of live tensors "
                                      f"({_mb(prediction.peak_bytes)} with {len(plan)} checkpoints)")
