@@ -27,7 +27,7 @@ KEPT = 2        # on the path but never recomputed (stateful, control flow, an x
 FORWARD = 3     # forward only: does not depend on the xs
 
 # A region tensor of at most 1/SMALL_FRACTION of the largest is read from the forward
-# pass rather than recomputed (StepGraph.small_bytes).
+# pass rather than recomputed (StepGraph.small).
 SMALL_FRACTION = 1024
 
 # v1 while loops have back edges; a topological order ignores them.

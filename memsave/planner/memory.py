@@ -320,7 +320,8 @@ class MemoryModel:
                 out_bytes, back_bytes, len(offloaded) + len(back), self.forward_flops,
                 flops_per_byte, graph.costs.op_overhead) if offloaded else 0,
             deferred_gradients=deferred,
-            reads_checkpoints=segmentation is not None and segmentation.read_checkpoints,
+            reads_checkpoints=(segmentation is not None
+                               and segmentation.reads_forward.read_checkpoints),
             **(self._replayed(timeline, segmentation) if replay else {}))
 
     def _replayed(self, timeline, segmentation):

@@ -67,16 +67,14 @@ class Segmentation:
       ops: head -> region op ids of that segment, producers first.
       final_ops: path op ids differentiated by the final call through the original
         ops (ops that are not recomputed, and what their gradients reach).
-      read_checkpoints: whether segments' gradients read the checkpoints as the
-        forward pass made them (else from their recomputed copies), but for those
-        `offloaded` to host memory (memsave.offload).
-      reads_forward: the ForwardReads of the plan.
+      reads_forward: the plan's ForwardReads: its `read_checkpoints` says whether
+        segments' gradients read the checkpoints as the forward pass made them (else
+        from their recomputed copies), but for those `offloaded` to host memory.
     """
 
     def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
         self.graph = graph
         self.checkpoints = set(checkpoints)
-        self.read_checkpoints = read_checkpoints
         self.reads_forward = ForwardReads(graph, self.checkpoints, offloaded, read_checkpoints)
         self.shared = []
         self.segment_of = {}
