@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import memsave
 from memsave import planner
+from memsave.graph import _tf_private
 from memsave.planner import costs, opinfo, search
 from memsave.region import ForwardRegion
 
@@ -524,6 +525,66 @@ def test_with_onednn_the_rewrite_adds_no_ordering_between_conv_gradients(monkeyp
         added = graph.get_operations()[before:]
     assert not any(c.type == "Conv2DBackpropFilter" for op in added
                    if op.type == "Conv2DBackpropInput" for c in op.control_inputs)
+
+
+# -- kernel workspaces of unknown shape -------------------------------------------------
+
+def _batch_norms(activations):
+    """Per activation, a batch norm (training) of [8, 16, 16, 32] read by it; the loss."""
+    x = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 32])
+    total, norms = 0.0, []
+    for i, activation in enumerate(activations):
+        # (scales that differ: Grappler would merge equal batch norms)
+        normed, _, _ = tf.compat.v1.nn.fused_batch_norm(x, tf.fill([32], i + 1.0), tf.zeros([32]),
+                                                       is_training=True)
+        norms.append(normed.op)
+        total += tf.reduce_sum(activation(normed) * x)
+    return x, norms, total
+
+
+def test_a_batch_norms_third_reserve_space_is_sized_by_the_kernels_on_this_machine():
+    """FusedBatchNormV3's third reserve space has no static shape. The model sizes it as
+    the kernels that run make it (the process's own: oneDNN or TensorFlow's), checked
+    against the allocation TensorFlow records with Grappler on (which fuses a batch norm
+    with the ReLU that alone reads it): a workspace too small to recompute for is read
+    from the forward pass (StepGraph.small)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x, norms, loss = _batch_norms([tf.nn.relu, tf.tanh])
+        gradient = tf.gradients(loss, [x])
+        step = planner.StepGraph.build(ForwardRegion.build([loss], [x]))
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        metadata = tf.compat.v1.RunMetadata()
+        with tf.compat.v1.Session() as session:
+            session.run(gradient, {x: np.ones([8, 16, 16, 32], np.float32)},
+                        options=options, run_metadata=metadata)
+    allocated = {node.node_name: node.output[5].tensor_description.allocation_description
+                 .requested_bytes for device in metadata.step_stats.dev_stats
+                 for node in device.node_stats if len(node.output) == 6}
+    reserve = [step.id_of(op.outputs[5]) for op in norms]
+    assert [step.size[t] for t in reserve] == [allocated[op.name] for op in norms]
+    assert all(t in step.workspaces for t in reserve)
+    assert reserve[1] in step.small
+    fused = opinfo.ONEDNN if _tf_private.onednn_enabled() else None
+    assert (reserve[0] in step.small) == (fused is None)
+
+
+def test_reserve_space_rules_per_kernel():
+    with tf.Graph().as_default():
+        _, (with_relu, with_tanh), _ = _batch_norms([tf.nn.relu, tf.tanh])
+        elements = 8 * 16 * 16 * 32
+        assert opinfo.workspace_bytes(with_relu, 5, opinfo.ONEDNN) == elements // 2
+        assert opinfo.workspace_bytes(with_tanh, 5, opinfo.ONEDNN) == 0
+        assert opinfo.workspace_bytes(with_relu, 5, opinfo.EIGEN) == 4
+        assert opinfo.workspace_bytes(with_relu, 5, None) is None  # a GPU's cuDNN
+        assert opinfo.workspace_bytes(with_relu, 4, opinfo.ONEDNN) is None
+        # Read by a second op, or waited for, it is not fused with its ReLU.
+        tf.identity(with_relu.outputs[0])
+        assert opinfo.workspace_bytes(with_relu, 5, opinfo.ONEDNN) == 0
+        _, (waited,), _ = _batch_norms([tf.nn.relu])
+        with tf.control_dependencies([waited]):
+            tf.no_op()
+        assert opinfo.workspace_bytes(waited, 5, opinfo.ONEDNN) == 0
 
 
 def test_unknown_dimensions_are_counted_as_the_size_the_user_gives():

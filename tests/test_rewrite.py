@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import memsave
 from memsave import planner
+from memsave.graph import _tf_private
 from memsave.region import ForwardRegion
 
 import _models
@@ -239,9 +240,10 @@ def test_the_cycle_collector_is_off_while_building_and_as_it_was_after(collector
     assert seen == [False, False, False]
 
 
-def _conv_bn_relu_chain(blocks=2, channels=8):
-    """`blocks` times conv -> fused batch norm -> ReLU, on variables (nothing folds);
-    returns the loss, the xs and each block's (convolution output, ReLU output)."""
+def _conv_bn_relu_chain(blocks=2, channels=8, activation=tf.nn.relu):
+    """`blocks` times conv -> fused batch norm -> `activation`, on variables (nothing
+    folds); returns the loss, the xs and each block's (convolution output, activation
+    output)."""
     read = tf.convert_to_tensor  # each variable read once: the xs are those reads
     h = read(_models._var([4, 32, 32, channels], 40, 1.0))
     xs, blocks_out = [h], []
@@ -251,7 +253,7 @@ def _conv_bn_relu_chain(blocks=2, channels=8):
         conv = tf.nn.conv2d(h, kernel, strides=1, padding="SAME")
         normed, _, _ = tf.compat.v1.nn.fused_batch_norm(conv, scale + 1.0, tf.zeros([channels]),
                                                        epsilon=1e-3, is_training=True)
-        h = tf.nn.relu(normed)
+        h = activation(normed)
         xs += [kernel, scale]
         blocks_out.append((conv, h))
     return tf.reduce_sum(h * h), xs, blocks_out
@@ -267,21 +269,24 @@ def _copies_run(session, fetches):
     return values, sorted(_COPY_NAME.sub("", n) for n in names if _COPY_NAME.match(n))
 
 
-@pytest.mark.parametrize("dropped", [(), ("relu", 0)], ids=["all kept", "first relu dropped"])
-def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped):
+@pytest.mark.parametrize("activation", [tf.nn.relu, tf.tanh], ids=["relu", "tanh"])
+@pytest.mark.parametrize("dropped", [(), ("activation", 0)],
+                         ids=["all kept", "first activation dropped"])
+def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped, activation):
     """A segment's gradients read its checkpoint, and tensors too small to recompute (a
     batch norm's saved mean and variance), as the forward pass made them: a ReLU's
     gradient reads its kept output, so its copy never runs (here reading costs no
-    memory, so the plan reads). A batch norm's copy still runs, for its third reserve
-    space (of unknown shape: a kernel's workspace of any size). The copies that do run
-    are the ones the memory model predicts (Segmentation.executed), and the gradients
-    are tf.gradients'."""
+    memory, so the plan reads). A batch norm's copy still runs where its third reserve
+    space is the mask of the ReLU Grappler fuses it with (opinfo.workspace_bytes: half a
+    byte per element with oneDNN), not where it is empty (read by a Tanh). The copies
+    that do run are the ones the memory model predicts (Segmentation.executed), and the
+    gradients are tf.gradients'."""
     _models.reset_variables()
     graph = tf.Graph()
     with graph.as_default():
-        loss, xs, blocks = _conv_bn_relu_chain()
+        loss, xs, blocks = _conv_bn_relu_chain(activation=activation)
         checkpoints = [conv for conv, _ in blocks] + [
-            relu for i, (_, relu) in enumerate(blocks) if dropped != ("relu", i)]
+            out for i, (_, out) in enumerate(blocks) if dropped != ("activation", i)]
         expected = tf.gradients(loss, xs)
         got = memsave.gradients(loss, xs, checkpoints=checkpoints)
         assert memsave.last_report().reads_checkpoints
@@ -291,7 +296,7 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped):
                                             read_checkpoints=True)
         predicted = sorted(step_graph.ops[op].name for head in segmentation.order
                            for op in segmentation.executed(head))
-        # Grappler off: it would fuse a batch norm and its ReLU into one node.
+        # Grappler off, so that what runs is what the graph says.
         config = tf.compat.v1.ConfigProto()
         config.graph_options.rewrite_options.disable_meta_optimizer = True
         with tf.compat.v1.Session(graph=graph, config=config) as session:
@@ -300,8 +305,12 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped):
             got, run = _copies_run(session, got)
     assert run == predicted
     types = sorted(graph.get_operation_by_name(name).type for name in run)
-    # Each batch norm and its scale; the dropped ReLU; never a kept ReLU or a convolution.
-    assert types == ["AddV2"] * 2 + ["FusedBatchNormV3"] * 2 + ["Relu"] * bool(dropped)
+    # Never a kept activation or a convolution. A batch norm, and its scale, for its
+    # ReLU mask, or for the dropped activation's input.
+    fused = activation is tf.nn.relu and _tf_private.onednn_enabled()
+    norms = 2 if fused else (1 if dropped else 0)
+    activations = ["Relu" if activation is tf.nn.relu else "Tanh"] * bool(dropped)
+    assert types == sorted(["AddV2"] * norms + ["FusedBatchNormV3"] * norms + activations)
     assert_same_gradients(expected, got)
 
 

@@ -65,11 +65,14 @@ class StepGraph:
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
       small_bytes: 1/1024 of the region's largest tensor.
-      small: ids of the region tensors of known shape no larger than that: cheaper to
+      workspaces: ids of the tensors whose size the graph does not give but the
+        kernels on this machine decide (opinfo.workspace_bytes: a batch norm's third
+        reserve space); `size` holds that size.
+      small: ids of the region tensors of known size no larger than that: cheaper to
         keep from the forward pass than to recompute, a segment's gradients read them
         as the forward pass made them (segments.ForwardReads), e.g. a batch norm's
-        saved mean and variance. (Not a tensor of unknown shape: a batch norm's third
-        reserve space is a kernel's workspace of any size.)
+        saved mean and variance. (Not a tensor of unknown size, which may be a
+        kernel's workspace of any size.)
     """
 
     def __init__(self):
@@ -85,6 +88,7 @@ class StepGraph:
         self.rewrite_grad_temporaries = {}
         self.deferred = {}
         self.deferred_tensors = set()
+        self.workspaces = set()
         self.small_bytes = 0
         self.small = frozenset()
         self.costs = costs.active()
@@ -108,11 +112,13 @@ class StepGraph:
         kept = {op for op, _ in region.kept_ops}
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
+        step._size_workspaces(_cpu_kernels(region))
         step._link(region)
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
         step.small_bytes = max((step.size[t] for t in region_tensors), default=0) // SMALL_FRACTION
         step.small = frozenset(t for t in region_tensors if step.size[t] <= step.small_bytes
-                               and step.tensors[t].shape.is_fully_defined())
+                               and (step.tensors[t].shape.is_fully_defined()
+                                    or t in step.workspaces))
         if defer:
             step._find_deferred()
         return step
@@ -143,6 +149,14 @@ class StepGraph:
         self.grad_inputs.append([])
         self.grad_temporaries.append(0)
         self.cost.append(self.costs.of(op) if kind == REGION else 0)
+
+    def _size_workspaces(self, kernels):
+        for tid, t in enumerate(self.tensors):
+            if t.shape.rank is None:
+                nbytes = opinfo.workspace_bytes(t.op, t.value_index, kernels)
+                if nbytes is not None:
+                    self.size[tid] = nbytes
+                    self.workspaces.add(tid)
 
     def _link(self, region):
         for x in region.xs:
@@ -272,6 +286,15 @@ def _eigen_conv_threads():
     if tf.config.list_physical_devices("GPU") or _tf_private.onednn_enabled():
         return 0
     return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
+
+
+def _cpu_kernels(region):
+    """Which kernels run the step's ops: opinfo.ONEDNN or opinfo.EIGEN on a machine
+    without a GPU; None with one, or under XLA (their workspaces are not modelled)."""
+    if (tf.config.list_physical_devices("GPU")
+            or _tf_private.in_xla_context(region.ys[0].graph)):
+        return None
+    return opinfo.ONEDNN if _tf_private.onednn_enabled() else opinfo.EIGEN
 
 
 def is_data(t):

@@ -12,6 +12,8 @@ over-predict memory.
 import functools
 import math
 
+from memsave.graph import _tf_private
+
 
 # Gradient reads nothing of the forward pass but static shapes.
 _READS_NOTHING = frozenset([
@@ -153,6 +155,49 @@ def conv_gradient_workspace(op, differentiated, threads):
         shard = 1 if parallel else -(-target // work)
         for_input = shard * image * window * dtype_size
     return for_filter, for_input
+
+
+# FusedBatchNormV3's third reserve space (output 5) is a kernel's workspace: the graph
+# gives it no shape, the kernel chooses its size (measured with TensorFlow 2.16 and
+# 2.21, float32):
+# - oneDNN on a CPU: empty, but where Grappler's remapper fuses the batch norm with the
+#   Relu that alone reads its output (_MklNativeFusedBatchNormEx), the ReLU's mask: half
+#   a byte per element of the output;
+# - TensorFlow's own CPU kernel (oneDNN off): one float.
+# On a GPU it is cuDNN's reserve space, whose size is not known here.
+ONEDNN, EIGEN = "onednn", "eigen"
+_RESERVE_SPACE_3 = 5
+
+
+def workspace_bytes(op, index, kernels):
+    """Bytes of output `index` of `op` where it is a kernel's workspace of a size the
+    graph does not give; None where that is not known.
+
+    Args:
+      op: a tf.Operation.
+      index: one of its outputs.
+      kernels: which CPU kernels run the step: ONEDNN, EIGEN, or None (a GPU, or not
+        known).
+    """
+    if op.type != "FusedBatchNormV3" or index != _RESERVE_SPACE_3 or kernels is None:
+        return None
+    if kernels == EIGEN:
+        return op.outputs[index].dtype.size
+    if _fused_with_relu(op):
+        return _elements(op.outputs[0].shape.as_list()) // 2
+    return 0
+
+
+def _fused_with_relu(op):
+    """Whether Grappler's remapper fuses this batch norm with the Relu after it: in
+    training, float32 or bfloat16, output 0 read by that Relu alone, and neither op
+    waiting for or waited on through control edges."""
+    readers = op.outputs[0].consumers()
+    if (not _attr(op, "is_training")
+            or getattr(_attr(op, "T"), "name", None) not in ("float32", "bfloat16")
+            or len(readers) != 1 or readers[0].type != "Relu"):
+        return False
+    return not any(o.control_inputs or _tf_private.control_outputs(o) for o in (op, readers[0]))
 
 
 def _elements(shape):
