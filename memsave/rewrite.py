@@ -576,10 +576,10 @@ class _Rewrite:
                 # A copy runs where its original ran, and its gradient ops are colocated
                 # with the original, as tf.gradients colocates them.
                 _tf_private.colocate(copy.transformed(op), op)
-            self._order_after(copy, trigger_ops)
+            locals_ = [replacements[t] for t in local_inputs]
+            self._order_after(copy, locals_, trigger_ops)
             copied_ys = [copy.transformed(y) for y in seg_ys]
             stop = [copy.transformed(t) for t in self.options.stop if copy.transformed(t) is not None]
-            locals_ = [replacements[t] for t in local_inputs]
             made_before = max(_tf_private.creation_index(t.op) for t in copied_ys + locals_)
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
@@ -716,11 +716,17 @@ class _Rewrite:
                     found.add(t)
         return list(found)
 
-    def _order_after(self, copy, trigger_ops):
-        """Step 6: copies that read nothing copied wait for `trigger_ops`."""
-        copied = set(copy.ops)
+    @staticmethod
+    def _order_after(copy, locals_, trigger_ops):
+        """Step 6: the copies wait for `trigger_ops`, through the segment's local inputs
+        (`locals_`) where they read one: a copy with a control input of its own is
+        not fused by Grappler (a batch norm with its ReLU would run as two ops, and
+        its third reserve space would not be the ReLU's mask the gradient expects)."""
+        waiting = {t.op for t in locals_} | set(copy.ops)
+        for op in dict.fromkeys(t.op for t in locals_):
+            _tf_private.add_control_inputs(op, trigger_ops)
         for op in copy.ops:
-            if not any(t.op in copied for t in op.inputs):
+            if not any(t.op in waiting for t in op.inputs):
                 _tf_private.add_control_inputs(op, trigger_ops)
 
     # -- bookkeeping ---------------------------------------------------------------

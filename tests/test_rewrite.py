@@ -125,7 +125,37 @@ def test_copies_wait_for_their_trigger():
         memsave.gradients(ys, xs, checkpoints="memory")
         copies = set(_count_copies(graph))
     roots = [op for op in copies if not any(t.op in copies for t in op.inputs)]
-    assert roots and all(op.control_inputs for op in roots)
+    # Directly, or through the segment's local inputs (identities) they read.
+    assert roots and all(op.control_inputs or any(
+        t.op.type == "Identity" and t.op.control_inputs for t in op.inputs) for op in roots)
+
+
+def test_grappler_fuses_recomputed_batch_norms_with_their_relus():
+    """The copies wait through their local inputs, not through control inputs of their
+    own, which would stop Grappler's remapper fusing a batch norm with its ReLU (with
+    oneDNN: two kernels instead of one, and no ReLU mask for the third reserve space)."""
+    _models.reset_variables()
+    graph = tf.Graph()
+    with graph.as_default():
+        # (each batch norm reads its scale, an x, through the segment's local input)
+        loss, xs, blocks = _conv_bn_relu_chain(blocks=3, scale_shift=None)
+        expected = tf.gradients(loss, xs)
+        got = memsave.gradients(loss, xs, checkpoints=[conv for conv, _ in blocks])
+        copies = _count_copies(graph)
+        norms = [op for op in copies if op.type == "FusedBatchNormV3"]
+        assert len(norms) == 3 and not any(op.control_inputs for op in norms)
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        metadata = tf.compat.v1.RunMetadata()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            expected = session.run(expected)
+            got = session.run(got, options=options, run_metadata=metadata)
+    kernels = {node.node_name: node.timeline_label.split(" = ")[-1].split("(")[0]
+               for device in metadata.step_stats.dev_stats for node in device.node_stats}
+    run = sorted(kernels[op.name] for op in copies if op.name in kernels)
+    if _tf_private.onednn_enabled():
+        assert run == ["_MklNativeFusedBatchNormEx"] * 3
+    assert_same_gradients(expected, got)
 
 
 def test_memory_strategy_is_deterministic():
@@ -240,9 +270,10 @@ def test_the_cycle_collector_is_off_while_building_and_as_it_was_after(collector
     assert seen == [False, False, False]
 
 
-def _conv_bn_relu_chain(blocks=2, channels=8, activation=tf.nn.relu):
+def _conv_bn_relu_chain(blocks=2, channels=8, activation=tf.nn.relu, scale_shift=1.0):
     """`blocks` times conv -> fused batch norm -> `activation`, on variables (nothing
-    folds); returns the loss, the xs and each block's (convolution output, activation
+    folds), the batch norm's scale `scale_shift` + a variable (None: the variable
+    itself); returns the loss, the xs and each block's (convolution output, activation
     output)."""
     read = tf.convert_to_tensor  # each variable read once: the xs are those reads
     h = read(_models._var([4, 32, 32, channels], 40, 1.0))
@@ -251,7 +282,8 @@ def _conv_bn_relu_chain(blocks=2, channels=8, activation=tf.nn.relu):
         kernel = read(_models._var([3, 3, channels, channels], 41 + i, 0.2))
         scale = read(_models._var([channels], 51 + i, 0.1))
         conv = tf.nn.conv2d(h, kernel, strides=1, padding="SAME")
-        normed, _, _ = tf.compat.v1.nn.fused_batch_norm(conv, scale + 1.0, tf.zeros([channels]),
+        shifted = scale if scale_shift is None else scale + scale_shift
+        normed, _, _ = tf.compat.v1.nn.fused_batch_norm(conv, shifted, tf.zeros([channels]),
                                                        epsilon=1e-3, is_training=True)
         h = activation(normed)
         xs += [kernel, scale]
