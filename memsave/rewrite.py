@@ -14,7 +14,8 @@
    gradient ops read small tensors (and, where the plan says so, the checkpoint
    the segment ends at) as the forward pass made them, so the copies that would
    only remake them never run (memsave.planner.segments);
-6. copies wait, through control inputs, for what must come first (the forward
+6. copies wait, through control inputs on the segment's identities (on a copy
+   itself only where it reads none), for what must come first (the forward
    ys, or the gradient of their checkpoints), or they would run during the
    forward pass and nothing would be saved; weight gradients larger than what
    they read (StepGraph.deferred) wait for the last segment's backward pass, so
@@ -719,9 +720,9 @@ class _Rewrite:
     @staticmethod
     def _order_after(copy, locals_, trigger_ops):
         """Step 6: the copies wait for `trigger_ops`, through the segment's local inputs
-        (`locals_`) where they read one: a copy with a control input of its own is
-        not fused by Grappler (a batch norm with its ReLU would run as two ops, and
-        its third reserve space would not be the ReLU's mask the gradient expects)."""
+        (`locals_`) where they read one: Grappler does not fuse a node with a control
+        input of its own (a recomputed batch norm and its ReLU would run as two oneDNN
+        kernels instead of one, as in the forward pass)."""
         waiting = {t.op for t in locals_} | set(copy.ops)
         for op in dict.fromkeys(t.op for t in locals_):
             _tf_private.add_control_inputs(op, trigger_ops)
