@@ -18,7 +18,8 @@ bytes alive at every moment; at the largest moment, this prints them by kind:
 
 plus the weights (resident before the step: the model's `resident_bytes`), the BFC
 allocator's own peak for the process, and the memory model's prediction for the same
-plan (peak, where, and its breakdown). A kind may hold buffers forwarded from another
+plan (peak, where, and its breakdown), with the largest tensors the model holds at its
+own peak, to set beside the measured ones. A kind may hold buffers forwarded from another
 (an elementwise op writes into its input's buffer when nobody else reads it): the
 record names the op that allocated it.
 """
@@ -102,6 +103,7 @@ def measure_breakdown(model="cnn", strategy="memory", depth=None, batch=None, to
         loss = bench.loss(*[tf.constant(value) for value in bench.inputs])
         forward_names = {op.name for op in graph.get_operations()}
         grads, report = _gradients(loss, bench.variables, strategy)
+        model_at, model_largest = _model_view(loss, bench.variables, report, strategy, top)
         gradient_names = {_allocating_op(g.op).name for g in grads if g is not None}
         op_types = {op.name: op.type for op in graph.get_operations()}
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
@@ -124,7 +126,23 @@ def measure_breakdown(model="cnn", strategy="memory", depth=None, batch=None, to
                      nbytes) for name, nbytes in largest],
         "predicted": predicted,
         "predicted_at": report.baseline_peak_at if strategy == BASELINE else report.peak_at,
+        "model_at": model_at, "model_largest": model_largest,
     }
+
+
+def _model_view(loss, variables, report, strategy, top):
+    """Where the memory model's live tensors peak for the plan, and its largest buffers
+    there (MemoryModel.largest_at_peak)."""
+    from memsave import inputs, planner
+    from memsave.region import ForwardRegion
+
+    call = inputs.normalise_call([loss], variables)
+    model = planner.model_of(ForwardRegion.build(call.ys, call.xs))
+    if strategy == BASELINE or report.fallback:
+        return model.largest_at_peak(top=top)
+    graph = loss.graph
+    checkpoints = [model.graph.id_of(graph.get_tensor_by_name(c.name)) for c in report.checkpoints]
+    return model.largest_at_peak(checkpoints, report.reads_checkpoints, top)
 
 
 def _allocating_op(op):
@@ -145,6 +163,9 @@ def format_breakdown(result):
     lines.append("largest buffers alive at the peak (allocator chunks):")
     lines += [f"  {nbytes / MB:7.2f} MB  {kind:<11} {op_type:<22} {name}"
               for name, op_type, kind, nbytes in result["largest"]]
+    lines.append(f"largest tensors the memory model holds at its own peak ({result['model_at']}):")
+    lines += [f"  {nbytes / MB:7.2f} MB  {kind:<11} {what}"
+              for nbytes, kind, what in result["model_largest"]]
     return "\n".join(lines)
 
 

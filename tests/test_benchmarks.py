@@ -159,8 +159,16 @@ def test_peak_breakdown_accounts_for_every_byte_alive_at_the_measured_peak():
     assert by_kind.get("recomputed", 0) > 0 and by_kind.get("grads of xs", 0) > 0, by_kind
     assert result["bfc_peak"] >= result["records_peak"]
     assert len(result["largest"]) == 5 and result["predicted"] > 0
+    # The model's own peak, with what it holds there: its largest buffers are recomputed
+    # activations or gradients, and they do not exceed its prediction.
+    assert result["model_at"].startswith(("backward of segment", "recomputation of segment"))
+    assert len(result["model_largest"]) == 5
+    assert {kind for _, kind, _ in result["model_largest"]} <= {
+        "recomputed", "gradients", "gradients of xs", "forward", "resident"}
+    assert sum(nbytes for nbytes, _, _ in result["model_largest"]) <= result["predicted"]
     printed = peak_breakdown.format_breakdown(result)
     assert "memory model:" in printed and "grads of xs" in printed
+    assert "the memory model holds at its own peak" in printed
 
 
 def test_budget_sweep_runs_budgets_down_to_an_infeasible_one(tmp_path, capsys):

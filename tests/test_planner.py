@@ -66,6 +66,22 @@ def test_rewritten_peak_of_a_chain_with_one_checkpoint():
                                            + 9 * price.op_overhead)
 
 
+def test_the_model_names_what_it_holds_at_its_peak():
+    """MemoryModel.largest_at_peak lists the buffers behind the peaks computed above."""
+    with tf.Graph().as_default():
+        model, outs, _, _ = _tanh_chain(8)
+        at, largest = model.largest_at_peak(_ids(model, [outs[3]]), top=20)
+        assert at == model.predict(_ids(model, [outs[3]])).peak_at
+        assert sorted(largest) == sorted(
+            [(S, "resident", "x:0"), (SUM_AXES, "resident", "Const:0")]
+            + [(S, "recomputed", f"Tanh_{i}:0") for i in range(4, 8)]
+            + [(S, "gradients", f"gradient of Tanh_{i}:0") for i in (6, 7)])
+        assert sum(nbytes for nbytes, _, _ in largest) == 7 * S + SUM_AXES
+        at, largest = model.largest_at_peak(top=3)
+        assert at == "backward pass, gradient of Tanh_7"
+        assert [nbytes for nbytes, _, _ in largest] == [S] * 3
+
+
 def test_a_plan_that_reads_its_checkpoint_recomputes_less_and_holds_it_longer():
     """The first half's gradient of its last tanh reads the kept checkpoint instead of
     recomputing it: one tanh fewer, but the checkpoint stays alive through the second

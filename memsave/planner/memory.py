@@ -116,16 +116,20 @@ class _Timeline:
     def __init__(self):
         self.labels = []
         self.starts, self.ends, self.bytes, self.kinds = [], [], [], []
+        # Per buffer, whose it is: a tensor id (a tensor, or with a gradient kind its
+        # gradient), or -(op id + 1) for the temporaries of an op's gradient.
+        self.owners = []
 
     def step(self, label):
         self.labels.append(label)
         return len(self.labels) - 1
 
-    def buffer(self, start, nbytes, kind, end=None):
+    def buffer(self, start, nbytes, kind, owner, end=None):
         self.starts.append(start)
         self.ends.append(start if end is None else end)
         self.bytes.append(nbytes)
         self.kinds.append(kind)
+        self.owners.append(owner)
         return len(self.bytes) - 1
 
     def copy(self):
@@ -133,7 +137,15 @@ class _Timeline:
         other.labels = list(self.labels)
         other.starts, other.ends = list(self.starts), list(self.ends)
         other.bytes, other.kinds = list(self.bytes), list(self.kinds)
+        other.owners = list(self.owners)
         return other
+
+    def alive_at(self, step):
+        """(bytes, kind, owner) of each buffer alive at `step`, largest first."""
+        alive = [(nbytes, kind, owner) for start, end, nbytes, kind, owner
+                 in zip(self.starts, self.ends, self.bytes, self.kinds, self.owners)
+                 if start <= step <= end and nbytes]
+        return sorted(alive, key=lambda b: (-b[0], b[2]))
 
     def live_at(self, step):
         """Bytes alive at `step`, by kind of buffer."""
@@ -181,14 +193,14 @@ class _Gradients:
     def _contribute(self, tid, nbytes, step, shares):
         timeline = self.timeline
         kind = "gradients of xs" if self.graph.is_x[tid] else "gradients"
-        buffer = shares if shares is not None else timeline.buffer(step, nbytes, kind)
+        buffer = shares if shares is not None else timeline.buffer(step, nbytes, kind, tid)
         parts = self.parts.setdefault(tid, [])
         parts.append(buffer)
         if len(parts) >= self.expected.get(tid, 1):
             if len(parts) == 1:
                 self.total[tid] = buffer
             else:
-                self.total[tid] = timeline.buffer(step, nbytes, kind)
+                self.total[tid] = timeline.buffer(step, nbytes, kind, tid)
             if self.graph.is_x[tid]:
                 timeline.use(self.total[tid], _FOREVER)
 
@@ -284,6 +296,34 @@ class MemoryModel:
             key, Segmentation(self.graph, key[0], key[1], key[3]), frozenset(key[1]), prefetch,
             flops_per_byte, replay=replay))
 
+    def largest_at_peak(self, checkpoints=None, read_checkpoints=False, top=10):
+        """What the model holds at the live tensors' peak of a plan (of tf.gradients'
+        step where `checkpoints` is None), to set beside a measured step's records
+        (benchmarks/peak_breakdown.py).
+
+        Returns:
+          (peak_at, [(bytes, kind, what)]): where the peak is, and its `top` largest
+          buffers, largest first; `what` names a tensor, a tensor's gradient ("gradient
+          of ..."), or an op gradient's temporaries ("temporaries of the gradient of ...").
+        """
+        if checkpoints is None:
+            self._simulate(_BASELINE, None)
+        else:
+            key = (tuple(sorted(set(checkpoints))), (), None, bool(read_checkpoints))
+            self._simulate(key, Segmentation(self.graph, key[0], (), key[3]))
+        _, timeline, segmentation = self._last
+        _, at = timeline.peak()
+        largest = [(nbytes, kind, self._owner_name(owner, kind))
+                   for nbytes, kind, owner in timeline.alive_at(at)[:top]]
+        return self.describe(timeline.labels[at], segmentation), largest
+
+    def _owner_name(self, owner, kind):
+        graph = self.graph
+        if owner < 0:
+            return f"temporaries of the gradient of {graph.ops[-owner - 1].name}"
+        name = graph.tensors[owner].name
+        return f"gradient of {name}" if kind.startswith("gradients") else name
+
     # -- simulation ---------------------------------------------------------------
     def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
                   replay=False):
@@ -349,7 +389,7 @@ class MemoryModel:
                 else:
                     buffers[tid] = timeline.buffer(
                         step, graph.size[tid], "resident" if kind == RESIDENT else "forward",
-                        _FOREVER if kind == RESIDENT else None)
+                        tid, _FOREVER if kind == RESIDENT else None)
         return buffers
 
     def _gradient_step(self, op, buffers, gradients, timeline, label, deferred=None):
@@ -370,7 +410,7 @@ class MemoryModel:
             if later:
                 deferred.append((op, later, reads + incoming, temporaries))
         if temporaries:
-            timeline.buffer(step, temporaries, "gradients")
+            timeline.buffer(step, temporaries, "gradients", -(op + 1))
         aliased = graph.alias_of[graph.outputs[op][0]] >= 0 if graph.outputs[op] else False
         for tid, nbytes in graph.grad_inputs[op]:
             if later and (tid, nbytes) in later:
@@ -386,7 +426,7 @@ class MemoryModel:
             for buffer in held:
                 timeline.use(buffer, step)
             if temporaries:
-                timeline.buffer(step, temporaries, "gradients")
+                timeline.buffer(step, temporaries, "gradients", -(op + 1))
             for tid, nbytes in pairs:
                 gradients.contribute(tid, nbytes, step)
 
@@ -408,7 +448,7 @@ class MemoryModel:
             for tid in self._offloaded_reads(ops, executed, offloaded):
                 back.append(tid)
                 local[tid] = timeline.buffer(starts[max(index - prefetch, 0)], graph.size[tid],
-                                             "offloaded back")
+                                             "offloaded back", tid)
             recompute += graph.costs.segment_overhead
             for op in ops:
                 if op not in executed:
@@ -422,7 +462,7 @@ class MemoryModel:
                     if source >= 0:
                         local[tid] = local.get(source, forward[source])
                     else:
-                        local[tid] = timeline.buffer(step, graph.size[tid], "recomputed")
+                        local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
             view = _Overlay(local, forward, segmentation.reads_forward)
             for op in self._backward_order(ops):
                 self._gradient_step(op, view, gradients, timeline, ("backward", op, index),
