@@ -98,6 +98,30 @@ def test_a_plan_that_reads_its_checkpoint_recomputes_less_and_holds_it_longer():
         256 * 256 * price.per_element + price.op_overhead)
 
 
+def test_no_gradient_goes_through_stop_gradient_shape_or_comparisons():
+    """tf.gradients sends nothing through a StopGradient, a Shape or a comparison: the
+    model neither counts a gradient buffer for their inputs nor waits for one (it held
+    a batch norm's mean gradient back until its variance's had run, behind the
+    StopGradient, where the executor runs it early)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [256, None])  # (a Shape that is no constant)
+        h = tf.tanh(x)
+        mean = tf.reduce_mean(h, axis=0, keepdims=True)
+        centred = tf.reshape(h - tf.stop_gradient(mean), tf.shape(h))
+        positive = tf.cast(tf.greater(h, 0.0), tf.float32)
+        loss = tf.reduce_sum(tf.tanh(centred) * positive)
+        step = planner.StepGraph.build(ForwardRegion.build([loss], [x]))
+        from memsave.planner import memory
+        counts = memory._contribution_counts(step)
+        by_type = {step.ops[op].type: op for op in step.region_op_ids()}
+        for op_type in ("StopGradient", "Shape", "Greater"):
+            assert not opinfo.passes_gradient(step.ops[by_type[op_type]])
+            assert step.grad_inputs[by_type[op_type]] == []
+        assert opinfo.passes_gradient(step.ops[by_type["Mean"]])
+        # h's gradient: from the Mean and the Sub only.
+        assert counts[step.id_of(h)] == 2
+
+
 def test_buffers_shared_by_reshapes_cost_nothing():
     with tf.Graph().as_default():
         plain, outs, _, _ = _tanh_chain(8)

@@ -195,7 +195,7 @@ class StepGraph:
             self.grad_reads[index] = [ins[i] for i in reads_in if is_data(self.tensors[ins[i]])]
         self.grad_reads[index] += [outs[i] for i in reads_out]
         differentiated = []
-        for i, tid in enumerate(ins):
+        for i, tid in enumerate(ins if opinfo.passes_gradient(op) else ()):
             t = self.tensors[tid]
             if not region.depends_on_xs(t):
                 continue

@@ -82,6 +82,23 @@ CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackp
 HEAVY_OP_TYPES = MATMUL_LIKE | CONV_LIKE | frozenset(["Einsum"])  # (flops() counts these)
 
 
+# Ops registered without a gradient (ops.NotDifferentiable) although an output may be
+# floating: tf.gradients sends nothing through them to their inputs.
+_NOT_DIFFERENTIABLE = frozenset([
+    "StopGradient", "ZerosLike", "OnesLike", "Shape", "ShapeN", "Size", "Rank",
+])
+
+
+def passes_gradient(op):
+    """Whether tf.gradients sends a gradient through `op` to its inputs: not through an
+    op registered without one, nor through one none of whose outputs can carry one
+    (tf.gradients backpropagates through floating, complex, resource and variant
+    tensors only: not through a Shape's integers or a comparison's booleans)."""
+    return op.type not in _NOT_DIFFERENTIABLE and any(
+        t.dtype.is_floating or t.dtype.is_complex or t.dtype.name in ("resource", "variant")
+        for t in op.outputs)
+
+
 @functools.lru_cache(maxsize=None)
 def gradient_reads(op_type, num_inputs, num_outputs):
     """The forward tensors the gradient of an op of `op_type` reads.
