@@ -723,12 +723,7 @@ class _Rewrite:
         (`locals_`) where they read one: Grappler does not fuse a node with a control
         input of its own (a recomputed batch norm and its ReLU would run as two oneDNN
         kernels instead of one, as in the forward pass)."""
-        waiting = {t.op for t in locals_} | set(copy.ops)
-        for op in dict.fromkeys(t.op for t in locals_):
-            _tf_private.add_control_inputs(op, trigger_ops)
-        for op in copy.ops:
-            if not any(t.op in waiting for t in op.inputs):
-                _tf_private.add_control_inputs(op, trigger_ops)
+        _wait_for(set(copy.ops) | {t.op for t in locals_}, trigger_ops)
 
     # -- bookkeeping ---------------------------------------------------------------
     def _summed(self, t, contributions, keep_sparse=False):

@@ -107,12 +107,14 @@ class StepGraph:
         """
         step = cls()
         step.unknown_dim_size = unknown_dim_size
-        step.conv_threads = _eigen_conv_threads()
+        kernels = _cpu_kernels()
+        step.conv_threads = _eigen_conv_threads(kernels)
         ops = _forward_ops_in_order(region.ys)
         kept = {op for op, _ in region.kept_ops}
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
-        step._size_workspaces(_cpu_kernels(region))
+        # (Under XLA, whose kernels make workspaces of their own, none is modelled.)
+        step._size_workspaces(None if _tf_private.in_xla_context(region.ys[0].graph) else kernels)
         step._link(region)
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
         step.small_bytes = max((step.size[t] for t in region_tensors), default=0) // SMALL_FRACTION
@@ -280,19 +282,19 @@ class StepGraph:
                    for t in self.outputs[i])
 
 
-def _eigen_conv_threads():
+def _eigen_conv_threads(kernels):
     """Intra-op threads when convolution gradients run on TensorFlow's own CPU kernels
-    (no GPU, oneDNN off), else 0: those kernels' workspaces are then part of the peak."""
-    if tf.config.list_physical_devices("GPU") or _tf_private.onednn_enabled():
+    (`kernels` is opinfo.EIGEN: no GPU, oneDNN off), else 0: those kernels' workspaces
+    are then part of the peak."""
+    if kernels != opinfo.EIGEN:
         return 0
     return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
 
 
-def _cpu_kernels(region):
+def _cpu_kernels():
     """Which kernels run the step's ops: opinfo.ONEDNN or opinfo.EIGEN on a machine
-    without a GPU; None with one, or under XLA (their workspaces are not modelled)."""
-    if (tf.config.list_physical_devices("GPU")
-            or _tf_private.in_xla_context(region.ys[0].graph)):
+    without a GPU; None with one (its kernels' workspaces are not modelled)."""
+    if tf.config.list_physical_devices("GPU"):
         return None
     return opinfo.ONEDNN if _tf_private.onednn_enabled() else opinfo.EIGEN
 

@@ -290,11 +290,13 @@ class MemoryModel:
         """
         if flops_per_byte is None:
             flops_per_byte = DEFAULT_FLOPS_PER_BYTE
-        key = (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
-               (prefetch, flops_per_byte) if offloaded else None, bool(read_checkpoints))
+        key = _plan_key(checkpoints, offloaded, prefetch, flops_per_byte, read_checkpoints)
         return self._cached(key, allocator, lambda replay: self._simulate(
-            key, Segmentation(self.graph, key[0], key[1], key[3]), frozenset(key[1]), prefetch,
-            flops_per_byte, replay=replay))
+            key, self._segmentation(key), frozenset(key[1]), prefetch, flops_per_byte,
+            replay=replay))
+
+    def _segmentation(self, key):
+        return Segmentation(self.graph, key[0], key[1], key[3])
 
     def largest_at_peak(self, checkpoints=None, read_checkpoints=False, top=10):
         """What the model holds at the live tensors' peak of a plan (of tf.gradients'
@@ -309,8 +311,8 @@ class MemoryModel:
         if checkpoints is None:
             self._simulate(_BASELINE, None)
         else:
-            key = (tuple(sorted(set(checkpoints))), (), None, bool(read_checkpoints))
-            self._simulate(key, Segmentation(self.graph, key[0], (), key[3]))
+            key = _plan_key(checkpoints, read_checkpoints=read_checkpoints)
+            self._simulate(key, self._segmentation(key))
         _, timeline, segmentation = self._last
         _, at = timeline.peak()
         largest = [(nbytes, kind, self._owner_name(owner, kind))
@@ -533,6 +535,12 @@ class MemoryModel:
         if phase == "recompute":
             return f"recomputation of {where}, at {name}"
         return f"backward of {where}, gradient of {name}"
+
+
+def _plan_key(checkpoints, offloaded=(), prefetch=1, flops_per_byte=0, read_checkpoints=False):
+    """The key MemoryModel keeps a plan's prediction under."""
+    return (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
+            (prefetch, flops_per_byte) if offloaded else None, bool(read_checkpoints))
 
 
 class _Overlay:
