@@ -584,6 +584,7 @@ class _Rewrite:
             made_before = max(_tf_private.creation_index(t.op) for t in copied_ys + locals_)
             grads = _tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
+            self._read_copies(ops, copy, made_before)
             self._read_from_forward(ops, copy, made_before, gate)
             deferred = self._deferred_cones(local_inputs, grads, made_before)
             if gate is not None:
@@ -603,6 +604,22 @@ class _Rewrite:
         logger.debug("memsave: %s recomputes %d ops ending at %s", label, len(running),
                      [y.name for y in seg_ys])
 
+    def _read_copies(self, ops, copy, made_before):
+        """Gradient ops of the segment (made after `made_before`) that read a tensor of
+        the forward pass the segment recomputes read its copy instead. Registered
+        gradients read their own op's (the copy's) inputs and outputs; a custom
+        gradient (`tf.custom_gradient`: Keras' swish, a user's) reads the tensors its
+        closure holds, the forward pass's, which would otherwise stay alive from the
+        forward pass to this segment's backward. Tensors ForwardReads names stay read
+        from the forward pass (`_read_from_forward`)."""
+        graph = self.step_graph
+        for op in ops:
+            for t in op.outputs:
+                tid = graph.tensor_id.get((op, t.value_index))
+                if tid is None or self.reads_forward(tid):
+                    continue
+                _reroute_readers(t, copy.transformed(t), made_before)
+
     def _read_from_forward(self, ops, copy, made_before, gate):
         """The segment's gradient ops (made after `made_before`) read the tensors that
         ForwardReads names as the forward pass made them, not from their
@@ -616,15 +633,10 @@ class _Rewrite:
                 if tid is None or not self.reads_forward(tid):
                     continue
                 copied = copy.transformed(t)
-                readers = [r for r in copied.consumers()
-                           if _tf_private.creation_index(r) > made_before]
-                if not readers:
+                if not _readers_made_after(copied, made_before):
                     continue
                 source = t if gate is None else _gated(t, gate, name="forward")
-                for reader in readers:
-                    for index, x in enumerate(reader.inputs):
-                        if tensor_key(x) == tensor_key(copied):
-                            _tf_private.update_input(reader, index, source)
+                _reroute_readers(copied, source, made_before)
 
     def _deferred_cones(self, local_inputs, grads, made_before):
         """Records the ops that make this segment's deferred weight gradients (one set
@@ -818,6 +830,19 @@ def _serialize_conv_gradients(copied_ops, deferred=frozenset()):
                 partner = filter_grads.get(tensor_key(consumer.inputs[2]))
                 if partner is not None:
                     _tf_private.add_control_inputs(consumer, [partner])
+
+
+def _readers_made_after(t, made_before):
+    """The ops reading `t` that were made after the op numbered `made_before`."""
+    return [r for r in t.consumers() if _tf_private.creation_index(r) > made_before]
+
+
+def _reroute_readers(old, new, made_before):
+    """Ops made after `made_before` that read `old` read `new` instead."""
+    for reader in _readers_made_after(old, made_before):
+        for index, x in enumerate(reader.inputs):
+            if tensor_key(x) == tensor_key(old):
+                _tf_private.update_input(reader, index, new)
 
 
 def _copies_that_run(copied_ops, made_before):

@@ -75,6 +75,27 @@ def deep_mlp(mode, layers=48, batch=4096, width=256, jit=False):
     return _measure(step, x)
 
 
+def silu_mlp(mode, layers=24, batch=2048, width=256):
+    """A deep MLP of SiLU (swish) layers in tf.function. `tf.nn.silu` is a
+    tf.custom_gradient: its gradient reads its input and recomputes the sigmoid (the
+    forward pass's sigmoid and product are never read again)."""
+    rng = np.random.RandomState(0)
+    # (silu halves small inputs: a gain of 2 keeps the activations, and the gradients,
+    # from vanishing over the layers)
+    weights = [tf.Variable((2 * rng.standard_normal([width, width]) / np.sqrt(width))
+                           .astype(np.float32)) for _ in range(layers)]
+
+    @tf.function
+    def step(x):
+        h = x
+        for w in weights:
+            h = tf.nn.silu(tf.matmul(h, w))
+        return _gradient_fn(mode, [])(tf.reduce_mean(h * h), weights)
+
+    x = tf.constant(rng.standard_normal([batch, width]).astype(np.float32))
+    return _measure(step, x)
+
+
 def chain_v1(mode, n=100):
     """The tanh chain of `chain` in a tf.compat.v1 graph, fed through a placeholder."""
     graph = tf.Graph()

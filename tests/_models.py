@@ -78,6 +78,27 @@ def small_cnn(blocks=3, channels=8):
     return [tf.reduce_mean(h)], kernels + scales, {}
 
 
+@tf.custom_gradient
+def _tanh_with_own_gradient(v):
+    def gradient(dy):
+        return dy * (1.0 - tf.square(tf.tanh(v)))  # reads v, the forward pass's input
+    return tf.tanh(v), gradient
+
+
+def swish_mlp(n=8, width=32):
+    """Custom gradients (tf.custom_gradient: closures that read forward tensors):
+    tf.nn.silu's and one of this file's own."""
+    x = _const([16, width], 8)
+    weights = [_var([width, width], 70 + i, 1.5 / np.sqrt(width)) for i in range(n)]
+    h = x
+    for i, w in enumerate(weights):
+        activation = tf.nn.silu if i % 2 == 0 else _tanh_with_own_gradient
+        h = activation(tf.matmul(h, w))
+        if i % 3 == 2:
+            memsave.mark_checkpoint(h)
+    return [tf.reduce_mean(h * h)], weights, {}
+
+
 def multiple_ys(n=12, width=16):
     ys, xs, extras = tanh_chain(n, width)
     h = ys[0].op.inputs[0]
@@ -108,7 +129,7 @@ def unconnected_xs(n=10, width=16):
 
 MODELS = {
     "tanh_chain": tanh_chain, "resnet_chain": resnet_chain, "deep_mlp": deep_mlp,
-    "small_cnn": small_cnn, "multiple_ys": multiple_ys, "grad_ys": with_grad_ys,
+    "small_cnn": small_cnn, "swish_mlp": swish_mlp, "multiple_ys": multiple_ys, "grad_ys": with_grad_ys,
     "intermediate_xs": intermediate_xs, "unconnected_xs": unconnected_xs,
 }
 

@@ -118,8 +118,74 @@ def test_no_gradient_goes_through_stop_gradient_shape_or_comparisons():
             assert not opinfo.passes_gradient(step.ops[by_type[op_type]])
             assert step.grad_inputs[by_type[op_type]] == []
         assert opinfo.passes_gradient(step.ops[by_type["Mean"]])
-        # h's gradient: from the Mean and the Sub only.
-        assert counts[step.id_of(h)] == 2
+        # The Mean's output reaches the loss only through the StopGradient: no gradient
+        # reaches it, so tf.gradients makes none for it. h's gradient: the Sub's alone.
+        assert step.grad_inputs[by_type["Mean"]] == []
+        assert counts[step.id_of(h)] == 1
+
+
+def _silu_chain(n):
+    """x -> silu^n -> reduce_sum in a v1 graph: `tf.nn.silu` is a tf.custom_gradient
+    (an IdentityN whose gradient reads silu's input and recomputes the sigmoid)."""
+    x = tf.compat.v1.placeholder(tf.float32, [256, 256], name="x")
+    h, outs = x, []
+    for _ in range(n):
+        h = tf.nn.silu(h)
+        outs.append(h)
+    return ForwardRegion.build([tf.reduce_sum(h)], [x]), outs, x
+
+
+def test_a_custom_gradient_reads_what_its_function_reads():
+    """The model builds a custom gradient once in a scratch graph: it reads silu's
+    input (not the forward pass's sigmoid and product, whose ops get no gradient), sends
+    a gradient to that input only, and makes the temporaries its function makes."""
+    graph = tf.Graph()
+    with graph.as_default():
+        region, outs, x = _silu_chain(4)
+        ops_before = len(graph.get_operations())
+        step = planner.StepGraph.build(region)
+        assert len(graph.get_operations()) == ops_before  # (built elsewhere)
+        identities = [op for op in step.region_op_ids() if step.ops[op].type == "IdentityN"]
+        assert len(identities) == 4 and set(identities) == step.custom_gradient_ops
+        features = [x] + outs[:-1]
+        for op, h in zip(identities, features):
+            reads = {step.tensors[t].name for t in step.grad_reads[op]}
+            assert step.id_of(h) in step.grad_reads[op], reads
+            assert [t for t, _ in step.grad_inputs[op]] == [step.id_of(h)]
+            # sigmoid(x) * (1 + x * (1 - sigmoid(x))): a few [256, 256] tensors at once
+            assert 2 * S <= step.grad_temporaries[op] <= 5 * S + 64
+        for op in step.region_op_ids():
+            if step.ops[op].type in ("Sigmoid", "Mul"):  # silu's forward ops: no gradient
+                assert (step.grad_reads[op], step.grad_inputs[op]) == ([], [])
+        # The output of an IdentityN is its input's buffer.
+        assert all(step.buffer_of(step.id_of(h)) != step.id_of(h) for h in outs)
+        model = planner.MemoryModel(step)
+        prediction = model.baseline()
+    # At the gradient of the last silu: x (resident, read by the first silu's gradient),
+    # the three earlier silu outputs (each read by the next one's gradient), the incoming
+    # and the outgoing gradient, and the temporaries; no sigmoid is held.
+    temporaries = step.grad_temporaries[identities[-1]]
+    assert prediction.resident_bytes == S + SUM_AXES + 4 * 4  # (and each silu's beta)
+    assert prediction.peak_bytes == prediction.resident_bytes + 3 * S + 2 * S + temporaries
+    assert prediction.peak_at == f"backward pass, gradient of {step.ops[identities[-1]].name}"
+
+
+def test_a_custom_gradient_that_cannot_be_built_elsewhere_reads_everything():
+    @tf.custom_gradient
+    def clipped(v):
+        def grad(dy):
+            raise RuntimeError("only when tf.gradients asks")
+        return tf.identity(v), grad
+
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [256, 256])
+        y = clipped(tf.tanh(x))
+        step = planner.StepGraph.build(ForwardRegion.build([tf.reduce_sum(y)], [x]))
+        op = step.op_id[y.op]
+        assert op in step.custom_gradient_ops
+        assert set(step.grad_reads[op]) == {step.id_of(t) for t in y.op.inputs} | {
+            step.id_of(t) for t in y.op.outputs}
+        assert step.id_of(y.op.inputs[0]) in [t for t, _ in step.grad_inputs[op]]
 
 
 def test_buffers_shared_by_reshapes_cost_nothing():

@@ -158,6 +158,32 @@ def test_grappler_fuses_recomputed_batch_norms_with_their_relus():
     assert_same_gradients(expected, got)
 
 
+def test_custom_gradients_read_the_segments_copies():
+    """A tf.custom_gradient's closure reads the forward pass's tensors (tf.nn.silu's, its
+    input): the segments' gradients read the copies instead, so the forward pass keeps
+    only the checkpoint, and the gradients are tf.gradients'."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 64], name="x")
+        h, outs = x, []
+        for _ in range(8):
+            h = tf.nn.silu(h)
+            outs.append(h)
+        loss = tf.reduce_sum(h)
+        expected = tf.gradients(loss, [x])
+        forward = set(graph.get_operations())
+        made_before = len(graph.get_operations())
+        got = memsave.gradients(loss, [x], checkpoints=[outs[3]])
+        added = graph.get_operations()[made_before:]
+        read = {t.name for op in added for t in op.inputs
+                if t.op in forward and t.dtype.is_floating and t.shape.num_elements() != 1}
+        assert read == {x.name, outs[3].name}
+        value = np.random.RandomState(0).standard_normal([64, 64]).astype(np.float32)
+        with tf.compat.v1.Session(graph=graph) as session:
+            expected, got = session.run([expected, got], {x: value})
+    assert_same_gradients(expected, got)
+
+
 def test_memory_strategy_is_deterministic():
     def rewritten_graph_def():
         _models.reset_variables()

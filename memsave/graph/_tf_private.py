@@ -120,3 +120,27 @@ def onednn_enabled():
     used otherwise, allocate large im2col temporaries in convolution gradients."""
     from tensorflow.python.util import _pywrap_util_port
     return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def overridden_gradient_type(op):
+    """The name an op's gradient was registered under where it is not its type's own
+    (a `tf.custom_gradient`, or `Graph.gradient_override_map`), else None."""
+    try:
+        name = op.get_attr("_gradient_op_type")
+    except ValueError:
+        return None
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def gradient_function(op):
+    """The Python function tf.gradients calls for `op`'s gradient (None: none)."""
+    return tf_ops.get_gradient_function(op)
+
+
+def scratch_graph(outer, name):
+    """A function graph inside `outer` to build throwaway ops in: tensors of `outer`
+    that its ops read become its captures (`.captures`: (outer tensor, placeholder)
+    pairs), and nothing is added to `outer`."""
+    from tensorflow.python.framework import func_graph
+    with outer.as_default():
+        return func_graph.FuncGraph(name)

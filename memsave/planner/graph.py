@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from memsave.graph import _tf_private
 from memsave.graph.select import get_backward_walk_ops
-from memsave.planner import costs, opinfo
+from memsave.planner import costs, custom_gradients, opinfo
 from memsave.region import estimated_bytes
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,12 @@ class StepGraph:
       workspaces: ids of the tensors whose size the graph does not give but the
         kernels on this machine decide (opinfo.workspace_bytes: a batch norm's third
         reserve space); `size` holds that size.
+      custom_gradient_ops: ids of the ops whose gradient is not their type's own (a
+        tf.custom_gradient's IdentityN): what it reads, where it sends gradients and
+        its temporaries come from building it once in a scratch graph
+        (memsave.planner.custom_gradients), or, where that fails, it reads everything.
+        An op none of whose outputs gets a gradient (a custom gradient's forward ops)
+        has none: its grad_reads, grad_inputs and grad_temporaries are empty.
       small: ids of the region tensors of known size no larger than that: cheaper to
         keep from the forward pass than to recompute, a segment's gradients read them
         as the forward pass made them (segments.ForwardReads), e.g. a batch norm's
@@ -89,6 +95,7 @@ class StepGraph:
         self.deferred = {}
         self.deferred_tensors = set()
         self.workspaces = set()
+        self.custom_gradient_ops = set()
         self.small_bytes = 0
         self.small = frozenset()
         self.costs = costs.active()
@@ -177,9 +184,30 @@ class StepGraph:
             self._link_variable_read(index, op)
             if op.type in opinfo.ALIAS_OP_TYPES and self.inputs[index] and self.outputs[index]:
                 self.alias_of[self.outputs[index][0]] = self.inputs[index][0]
+            elif op.type == "IdentityN" and len(self.inputs[index]) == len(op.inputs):
+                for source, tid in zip(self.inputs[index], self.outputs[index]):
+                    self.alias_of[tid] = source
         for index, op in enumerate(self.ops):
             if self.kind[index] in (REGION, KEPT):
                 self._link_gradient(index, op, region)
+        self._drop_gradients_nothing_reaches()
+
+    def _drop_gradients_nothing_reaches(self):
+        """tf.gradients makes no gradient for an op none of whose outputs gets one (its
+        readers send none back: a custom gradient's forward ops, what only a
+        StopGradient reads): such an op's gradient reads nothing and makes nothing."""
+        pending = [t for t, is_y in enumerate(self.is_y) if is_y]
+        active = set()
+        while pending:  # (a worklist: v1 while loops' back edges break any one order)
+            op = self.producer[pending.pop()]
+            if op not in active:
+                active.add(op)
+                pending.extend(t for t, _ in self.grad_inputs[op])
+        for index in range(len(self.ops)):
+            if index not in active:
+                self.grad_reads[index], self.grad_inputs[index] = [], []
+                self.grad_temporaries[index] = 0
+                self.rewrite_grad_temporaries.pop(index, None)
 
     def _link_variable_read(self, index, op):
         """A variable's bytes belong to its handle, which lives for the whole step."""
@@ -191,21 +219,36 @@ class StepGraph:
                     self.size[handle] = self.size[out]
 
     def _link_gradient(self, index, op, region):
-        reads_in, reads_out = opinfo.gradient_reads(op.type, len(op.inputs), len(op.outputs))
         ins, outs = self.inputs[index], self.outputs[index]
-        if len(ins) == len(op.inputs):
-            self.grad_reads[index] = [ins[i] for i in reads_in if is_data(self.tensors[ins[i]])]
-        self.grad_reads[index] += [outs[i] for i in reads_out]
+        probe = self._custom_gradient(op)
+        if custom_gradients.has_custom_gradient(op):
+            self.custom_gradient_ops.add(index)
+        if probe is not None:
+            self.grad_reads[index] = sorted({
+                self.tensor_id[(t.op, t.value_index)] for t in probe.reads
+                if (t.op, t.value_index) in self.tensor_id and is_data(t)})
+            passes = set(probe.differentiated)
+        else:
+            reads_in, reads_out = opinfo.gradient_reads(
+                op.type if not custom_gradients.has_custom_gradient(op) else None,
+                len(op.inputs), len(op.outputs))
+            if len(ins) == len(op.inputs):
+                self.grad_reads[index] = [ins[i] for i in reads_in
+                                          if is_data(self.tensors[ins[i]])]
+            self.grad_reads[index] += [outs[i] for i in reads_out]
+            passes = set(range(len(ins))) if opinfo.passes_gradient(op) else set()
         differentiated = []
-        for i, tid in enumerate(ins if opinfo.passes_gradient(op) else ()):
+        for i, tid in enumerate(ins):
             t = self.tensors[tid]
-            if not region.depends_on_xs(t):
+            if i not in passes or not region.depends_on_xs(t):
                 continue
             # A resource input is a variable handle: its gradient is the variable's size.
             if t.dtype == tf.resource or t.dtype.is_floating or t.dtype.is_complex:
                 self.grad_inputs[index].append((tid, self.size[tid]))
                 differentiated.append(i)
-        if outs and len(ins) == len(op.inputs):
+        if probe is not None:
+            self.grad_temporaries[index] = probe.temporaries
+        elif outs and len(ins) == len(op.inputs):
             self.grad_temporaries[index] = opinfo.gradient_temporaries(
                 op.type, [self.size[t] for t in ins], self.size[outs[0]], differentiated)
         if self.conv_threads:
@@ -215,6 +258,13 @@ class StepGraph:
             self.grad_temporaries[index] += for_filter + for_input
             self.rewrite_grad_temporaries[index] = (self.grad_temporaries[index]
                                                     - min(for_filter, for_input))
+
+    def _custom_gradient(self, op):
+        """What `op`'s gradient does where it is a custom one that could be built in a
+        scratch graph (memsave.planner.custom_gradients), else None."""
+        if not custom_gradients.has_custom_gradient(op):
+            return None
+        return custom_gradients.probe(op, self.unknown_dim_size)
 
     def _find_deferred(self):
         """Gradients worth computing last: a weight's gradient that is larger than what

@@ -413,7 +413,9 @@ class MemoryModel:
                 deferred.append((op, later, reads + incoming, temporaries))
         if temporaries:
             timeline.buffer(step, temporaries, "gradients", -(op + 1))
-        aliased = graph.alias_of[graph.outputs[op][0]] >= 0 if graph.outputs[op] else False
+        # An identity's gradient is its incoming one (a custom gradient makes its own).
+        aliased = (bool(graph.outputs[op]) and graph.alias_of[graph.outputs[op][0]] >= 0
+                   and op not in graph.custom_gradient_ops)
         for tid, nbytes in graph.grad_inputs[op]:
             if later and (tid, nbytes) in later:
                 continue

@@ -104,7 +104,8 @@ def gradient_reads(op_type, num_inputs, num_outputs):
     """The forward tensors the gradient of an op of `op_type` reads.
 
     Returns:
-      (input indices, output indices). Unknown op types read everything.
+      (input indices, output indices). Unknown op types, and `op_type` None (a gradient
+      that is not its type's own), read everything.
     """
     reads = _READS.get(op_type)
     if reads is None:
