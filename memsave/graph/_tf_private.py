@@ -125,11 +125,10 @@ def onednn_enabled():
 def overridden_gradient_type(op):
     """The name an op's gradient was registered under where it is not its type's own
     (a `tf.custom_gradient`, or `Graph.gradient_override_map`), else None."""
-    try:
-        name = op.get_attr("_gradient_op_type")
-    except ValueError:
-        return None
-    return name.decode() if isinstance(name, bytes) else name
+    # (Read from the NodeDef: get_attr raises for the ops that have no such attr, which
+    # are nearly all of them, and that costs 8 us an op where this costs 1.)
+    attrs = op.node_def.attr
+    return attrs["_gradient_op_type"].s.decode() if "_gradient_op_type" in attrs else None
 
 
 def gradient_function(op):

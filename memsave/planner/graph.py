@@ -220,8 +220,9 @@ class StepGraph:
 
     def _link_gradient(self, index, op, region):
         ins, outs = self.inputs[index], self.outputs[index]
-        probe = self._custom_gradient(op)
-        if custom_gradients.has_custom_gradient(op):
+        custom = custom_gradients.has_custom_gradient(op)
+        probe = custom_gradients.probe(op, self.unknown_dim_size) if custom else None
+        if custom:
             self.custom_gradient_ops.add(index)
         if probe is not None:
             self.grad_reads[index] = sorted({
@@ -230,8 +231,7 @@ class StepGraph:
             passes = set(probe.differentiated)
         else:
             reads_in, reads_out = opinfo.gradient_reads(
-                op.type if not custom_gradients.has_custom_gradient(op) else None,
-                len(op.inputs), len(op.outputs))
+                None if custom else op.type, len(op.inputs), len(op.outputs))
             if len(ins) == len(op.inputs):
                 self.grad_reads[index] = [ins[i] for i in reads_in
                                           if is_data(self.tensors[ins[i]])]
@@ -258,13 +258,6 @@ class StepGraph:
             self.grad_temporaries[index] += for_filter + for_input
             self.rewrite_grad_temporaries[index] = (self.grad_temporaries[index]
                                                     - min(for_filter, for_input))
-
-    def _custom_gradient(self, op):
-        """What `op`'s gradient does where it is a custom one that could be built in a
-        scratch graph (memsave.planner.custom_gradients), else None."""
-        if not custom_gradients.has_custom_gradient(op):
-            return None
-        return custom_gradients.probe(op, self.unknown_dim_size)
 
     def _find_deferred(self):
         """Gradients worth computing last: a weight's gradient that is larger than what
