@@ -14,9 +14,11 @@ are its temporaries. Nothing is added to the step's graph.
 import dataclasses
 import logging
 
+import numpy as np
 import tensorflow as tf
 
 from memsave.graph import _tf_private
+from memsave.planner import opinfo
 from memsave.region import estimated_bytes
 
 logger = logging.getLogger(__name__)
@@ -42,11 +44,14 @@ def has_custom_gradient(op):
     return _tf_private.overridden_gradient_type(op) is not None
 
 
-def probe(op, unknown_dim_size=1):
+def probe(op, wanted, unknown_dim_size=1):
     """Builds `op`'s gradient once in a scratch graph and says what it does.
 
     Args:
       op: an op with a custom gradient (has_custom_gradient).
+      wanted: indices of the inputs whose gradients the step uses (the others, such as
+        swish's constant beta's, are built but never run): the temporaries are those
+        of these.
       unknown_dim_size: the size assumed for unknown dimensions of its temporaries.
     Returns:
       A GradientProbe, or None where the gradient function cannot be built there (the
@@ -67,15 +72,26 @@ def probe(op, unknown_dim_size=1):
         return None
     grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
     differentiated = tuple(i for i, g in enumerate(grads[:len(op.inputs)]) if g is not None)
-    results = [_tensor_of(grads[i]) for i in differentiated]
+    results = [_tensor_of(grads[i]) for i in differentiated if i in wanted]
     placeholders = {id(inner) for _, inner in scratch.captures} | {id(t) for t in incoming}
+    ones = {id(inner) for outer, inner in scratch.captures if _all_ones(outer)} | {
+        id(t) for o in scratch.get_operations() if o.type == "Const" for t in o.outputs
+        if _all_ones(t)}
     return GradientProbe(
         # (a captured eager tensor, such as a variable's handle, is no tensor of the step)
         reads=tuple(outer for outer, _ in scratch.captures if isinstance(outer, tf.Tensor)
                     and not _tf_private.is_eager_tensor(outer)),
         differentiated=differentiated,
         temporaries=_temporaries(scratch, [r for r in results if r is not None], placeholders,
-                                 unknown_dim_size))
+                                 ones, unknown_dim_size))
+
+
+def _all_ones(t):
+    """Whether `t` is a constant whose every element is 1 (swish's default beta)."""
+    if not isinstance(t, tf.Tensor) or _tf_private.is_eager_tensor(t):
+        return False
+    value = tf.get_static_value(t)
+    return value is not None and np.size(value) > 0 and bool(np.all(value == 1))
 
 
 def _tensor_of(gradient):
@@ -85,33 +101,108 @@ def _tensor_of(gradient):
     return gradient if isinstance(gradient, tf.Tensor) else None
 
 
-def _temporaries(graph, results, placeholders, unknown_dim_size):
+class _Buffers:
+    """Buffers of a probed gradient's tensors: each lives from the op that makes it to
+    the last op reading a tensor held in it."""
+
+    def __init__(self):
+        self.of = {}  # id(tensor) -> buffer index
+        self.starts, self.ends, self.sizes = [], [], []
+
+    def new(self, t, step, nbytes):
+        self.of[id(t)] = len(self.sizes)
+        self.starts.append(step)
+        self.ends.append(step)
+        self.sizes.append(nbytes)
+
+    def share(self, t, source):
+        if id(source) in self.of:
+            self.of[id(t)] = self.of[id(source)]
+
+    def read(self, t, step):
+        index = self.of.get(id(t))
+        if index is not None:
+            self.ends[index] = max(self.ends[index], step)
+
+    def peak(self, steps):
+        live = [0] * (steps + 1)
+        for start, end, nbytes in zip(self.starts, self.ends, self.sizes):
+            live[start] += nbytes
+            live[end + 1] -= nbytes
+        peak = current = 0
+        for change in live:
+            current += change
+            peak = max(peak, current)
+        return peak
+
+
+def _temporaries(graph, results, placeholders, ones, unknown_dim_size):
     """The most bytes alive at once among the tensors `graph`'s ops make on the way to
-    `results` (what the executor runs; the rest is pruned), in creation order, each
-    from its op to its last reader; the results and the placeholders not counted."""
+    `results` (what the executor runs; the rest is pruned), in creation order; the
+    results and the placeholders (incoming gradients, captured forward tensors) not
+    counted. As TensorFlow runs them: an identity, or a product with a tensor of ones
+    (which Grappler's constant folding turns into one), holds no buffer of its own, and
+    an elementwise op writes into an input it is the last to read (the executor
+    forwards that buffer to its output)."""
     needed, stack = set(), [r.op for r in results]
     while stack:
         op = stack.pop()
-        if op in needed:
-            continue
-        needed.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
+        if op not in needed:
+            needed.add(op)
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
     ordered = [op for op in graph.get_operations() if op in needed]
     position = {op: i for i, op in enumerate(ordered)}
     result_ids = {id(r) for r in results}
-    live = [0] * (len(ordered) + 1)
-    for start, op in enumerate(ordered):
+
+    def last_reader(t):
+        return max((position[c] for c in t.consumers() if c in position), default=-1)
+
+    buffers = _Buffers()
+    for step, op in enumerate(ordered):
+        for t in op.inputs:
+            buffers.read(t, step)
         for t in op.outputs:
-            if id(t) in placeholders or id(t) in result_ids:
+            if id(t) in placeholders:
                 continue
-            readers = [position[c] for c in t.consumers() if c in position]
-            end = max(readers, default=start)
-            nbytes = estimated_bytes(t, unknown_dim_size)
-            live[start] += nbytes
-            live[end + 1] -= nbytes
-    peak = current = 0
-    for change in live:
-        current += change
-        peak = max(peak, current)
-    return peak
+            source = _shared_input(op, t, ones)
+            if source is not None:
+                buffers.share(t, source)
+            else:
+                dying = _forwardable_input(op, t, step, buffers)
+                if id(t) in result_ids:  # (counted by the model as the gradient it is)
+                    if dying is not None:
+                        buffers.ends[buffers.of[id(dying)]] = step - 1
+                    continue
+                if dying is not None:
+                    buffers.share(t, dying)
+                else:
+                    buffers.new(t, step, estimated_bytes(t, unknown_dim_size))
+            buffers.read(t, max(step, last_reader(t)))
+    return buffers.peak(len(ordered))
+
+
+def _shared_input(op, t, ones):
+    """The input whose buffer output `t` of `op` is: an identity's, or the other factor of
+    a product with a tensor of ones of no larger shape (Grappler folds it away)."""
+    if op.type in opinfo.ALIAS_OP_TYPES and op.inputs:
+        return op.inputs[0]
+    if op.type == "Mul" and len(op.inputs) == 2:
+        for factor, other in (op.inputs, reversed(op.inputs)):
+            if id(factor) in ones and other.shape == t.shape:
+                return other
+    return None
+
+
+def _forwardable_input(op, t, step, buffers):
+    """An input of an elementwise `op` (run at `step`) that holds a buffer of its own,
+    has `t`'s shape and type, and whose buffer nothing reads after `op`: that buffer
+    becomes `t`'s."""
+    if op.type in opinfo.HEAVY_OP_TYPES or not t.shape.is_fully_defined():
+        return None
+    for x in op.inputs:
+        index = buffers.of.get(id(x))
+        if (index is not None and x.dtype == t.dtype and x.shape == t.shape
+                and buffers.ends[index] <= step):
+            return x
+    return None

@@ -221,7 +221,9 @@ class StepGraph:
     def _link_gradient(self, index, op, region):
         ins, outs = self.inputs[index], self.outputs[index]
         custom = custom_gradients.has_custom_gradient(op)
-        probe = custom_gradients.probe(op, self.unknown_dim_size) if custom else None
+        probe = custom_gradients.probe(
+            op, [i for i, t in enumerate(op.inputs) if region.depends_on_xs(t)],
+            self.unknown_dim_size) if custom else None
         if custom:
             self.custom_gradient_ops.add(index)
         if probe is not None:
