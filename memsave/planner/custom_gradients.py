@@ -188,7 +188,8 @@ def _shared_input(op, t, ones):
     if op.type in opinfo.ALIAS_OP_TYPES and op.inputs:
         return op.inputs[0]
     if op.type == "Mul" and len(op.inputs) == 2:
-        for factor, other in (op.inputs, reversed(op.inputs)):
+        a, b = op.inputs
+        for factor, other in ((a, b), (b, a)):
             if id(factor) in ones and other.shape == t.shape:
                 return other
     return None
