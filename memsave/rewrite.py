@@ -47,6 +47,7 @@ from memsave import offload as offload_lib
 from memsave import report as report_lib
 from memsave.errors import MemsaveError, MemsaveTypeError, MemsaveWarning
 from memsave.graph import _tf_private
+from memsave.graph.reroute import reroute_ts
 from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops, tensor_key
 from memsave.graph.transform import copy_with_input_replacements
 from memsave.planner.segments import ForwardReads, Segmentation
@@ -839,10 +840,7 @@ def _readers_made_after(t, made_before):
 
 def _reroute_readers(old, new, made_before):
     """Ops made after `made_before` that read `old` read `new` instead."""
-    for reader in _readers_made_after(old, made_before):
-        for index, x in enumerate(reader.inputs):
-            if tensor_key(x) == tensor_key(old):
-                _tf_private.update_input(reader, index, new)
+    reroute_ts([new], [old], can_modify=_readers_made_after(old, made_before))
 
 
 def _copies_that_run(copied_ops, made_before):
