@@ -75,6 +75,10 @@ class RewriteReport:
     segment's gradients read the checkpoint it
     ends at as the forward pass made it rather than recomputing it (chosen where that
     costs no memory worth counting, or stays within a budget: memsave.rewrite).
+    `recomputes_ahead` says whether each segment's recomputation waits for the gradient
+    the segment after it waits for rather than its own, so it runs beside that
+    segment's backward pass, off the critical path of an executor that runs ops side
+    by side (chosen on the same terms).
     """
     strategy: str
     region_ops: int
@@ -99,6 +103,7 @@ class RewriteReport:
     transfer_flops: int = 0
     deferred_gradients: int = 0
     reads_checkpoints: bool = False
+    recomputes_ahead: bool = False
     predicted_segments: int = 0
     predicted_recomputed_ops: int = 0
 
@@ -136,11 +141,12 @@ class RewriteReport:
                 f"{self._peaks()}")
 
     def _recomputation(self):
+        ahead = ", each a segment ahead" if self.recomputes_ahead else ""
         if not self.segments:  # (memsave.plan builds none: what the model predicts)
             return (f"{self.predicted_segments} segments would recompute "
-                    f"{self.predicted_recomputed_ops} ops")
+                    f"{self.predicted_recomputed_ops} ops{ahead}")
         return (f"{len(self.segments)} segments recompute {self.recomputed_ops} ops "
-                f"({_mb(self.recomputed_bytes)})")
+                f"({_mb(self.recomputed_bytes)}){ahead}")
 
     def _deferred(self):
         if not self.deferred_gradients:

@@ -329,8 +329,10 @@ def _report(strategy_name, region, kept, dropped, offloader):
         info.offloaded = offloader.applies_to(c.tensor)
         if info.offloaded:
             offloaded.append(graph.id_of(c.tensor))
-    prediction, report.reads_checkpoints = _final_prediction(
-        model, region, [graph.id_of(c.tensor) for c in kept], offloaded, offloader.options)
+    prediction = _final_prediction(model, region, [graph.id_of(c.tensor) for c in kept],
+                                   offloaded, offloader.options)
+    report.reads_checkpoints = prediction.reads_checkpoints
+    report.recomputes_ahead = prediction.recomputes_ahead
     report.predicted_peak_bytes = prediction.device_peak_bytes
     report.predicted_live_bytes = prediction.peak_bytes
     report.predicted_host_bytes = prediction.host_bytes
@@ -351,38 +353,67 @@ def _report(strategy_name, region, kept, dropped, offloader):
     return report
 
 
-# A plan reads its checkpoints where that raises its predicted peak by at most this much.
-_READ_CHECKPOINTS_TOLERANCE = 0.01
+# A plan reads its checkpoints, or recomputes ahead, where the strategy did not decide
+# and that raises its predicted peak by at most this much.
+_FREE_PEAK_TOLERANCE = 0.01
 
 
 def _final_prediction(model, region, checkpoints, offloaded, options):
-    """(prediction, reads_checkpoints) of the chosen plan.
+    """The prediction of the chosen plan: whether its segments read their checkpoints
+    (_reading_or_recomputing), then whether they recompute ahead (_ahead_or_not)."""
+    prediction = _reading_or_recomputing(model, region, checkpoints, offloaded, options)
+    return _ahead_or_not(model, region, checkpoints, offloaded, prediction)
+
+
+def _ahead_or_not(model, region, checkpoints, offloaded, prediction):
+    """`prediction`, or that of the same plan recomputing ahead (MemoryModel.predict's
+    recompute_ahead: each segment's recomputation runs beside the backward pass of the
+    segment after it, so it leaves the critical path where the executor runs ops side
+    by side): where the strategy chose so (a budget, where it fits), or, where it did
+    not choose, if the predicted peak stays within _FREE_PEAK_TOLERANCE.
+
+    Not with offloaded checkpoints (their copies back are timed by the segments'
+    triggers) nor under XLA (planner.may_recompute_ahead)."""
+    chosen = region.cache.get(planner.RECOMPUTE_AHEAD)
+    if chosen is False or offloaded or not planner.may_recompute_ahead(region):
+        return prediction
+    ahead = model.predict(checkpoints, allocator=True, recompute_ahead=True,
+                          read_checkpoints=prediction.reads_checkpoints)
+    if chosen or ahead.device_peak_bytes <= prediction.device_peak_bytes * (
+            1 + _FREE_PEAK_TOLERANCE):
+        return ahead
+    return prediction
+
+
+def _reading_or_recomputing(model, region, checkpoints, offloaded, options):
+    """The prediction of the chosen plan, its segments reading or recomputing the
+    checkpoint each ends at (Prediction.reads_checkpoints).
 
     Its segments read their checkpoints as the forward pass made them where they may
     (planner.may_read_checkpoints) and the strategy chose so (a budget searches both
     kinds of plan), or, where it did not choose, if that recomputes less and keeps the
-    predicted peak within _READ_CHECKPOINTS_TOLERANCE of recomputing them: reading
+    predicted peak within _FREE_PEAK_TOLERANCE of recomputing them: reading
     holds each checkpoint through the later segment's backward pass, and a segment
     ending at a ReLU then runs nothing."""
     extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
     chosen = region.cache.get(planner.READ_CHECKPOINTS)
     recomputing = model.predict(checkpoints, offloaded, *extra, allocator=True)
     if chosen is False or not planner.may_read_checkpoints(region):
-        return recomputing, False
+        return recomputing
     graph = model.graph
     if not chosen and not any(c in graph.grad_reads[graph.producer[c]] for c in checkpoints):
-        return recomputing, False  # no checkpoint's own gradient reads it: nothing to gain
-    within = 1 + _READ_CHECKPOINTS_TOLERANCE
+        return recomputing  # no checkpoint's own gradient reads it: nothing to gain
+    within = 1 + _FREE_PEAK_TOLERANCE
     if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
         reading = model.predict(checkpoints, offloaded, *extra, read_checkpoints=True)
         if (reading.cost_flops >= recomputing.cost_flops
                 or reading.peak_bytes > recomputing.peak_bytes * within):
-            return recomputing, False
+            return recomputing
     reading = model.predict(checkpoints, offloaded, *extra, allocator=True,
                             read_checkpoints=True)
     if chosen or reading.device_peak_bytes <= recomputing.device_peak_bytes * within:
-        return reading, True
-    return recomputing, False
+        return reading
+    return recomputing
 
 
 class _Options:
@@ -511,6 +542,10 @@ class _Rewrite:
         self.under_xla = _tf_private.in_xla_context(ys[0].graph)
         self.offloader = offloader
         self.triggers = []  # each segment's trigger ops, in the order the backward runs them
+        self.trigger_tensors = []  # and one tensor of each (under XLA, the gate's)
+        # Each segment's copies wait for the previous segment's trigger, not their own
+        # (planner: MemoryModel.predict's recompute_ahead).
+        self.ahead = report.recomputes_ahead
         # Weight gradients made after the last segment (StepGraph.deferred; none under
         # gate_gradients): per segment, the op sets that make them, and the segment's
         # other gradients.
@@ -561,16 +596,20 @@ class _Rewrite:
     def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label):
         """Copies the ops between `seg_ys` and the checkpoints and differentiates them.
 
-        The copies wait for `trigger_ops` (control inputs); under XLA, which drops
-        control inputs and merges equal computations, they read their inputs through
-        a data dependency on `trigger` as well (see `_xla_gate`).
+        The copies wait for `trigger_ops` (control inputs), or where the plan recomputes
+        ahead for the previous segment's, which the backward pass completes earlier, so
+        they run beside that segment's backward pass; under XLA, which drops control
+        inputs and merges equal computations, they read their inputs through a data
+        dependency on `trigger` (or the previous segment's) as well (see `_xla_gate`).
         """
         ops = get_backward_walk_ops([y.op for y in seg_ys], inclusive=True,
                                     within_ops=self.region.op_set, stop_at_ts=self.checkpoints)
         local_inputs = self._inputs_to_localise(ops)
         self.triggers.append(trigger_ops)
+        self.trigger_tensors.append(trigger)
+        wait = -2 if self.ahead and len(self.triggers) > 1 else -1
         with tf.name_scope(label):
-            gate = _xla_gate(trigger) if self.under_xla else None
+            gate = _xla_gate(self.trigger_tensors[wait]) if self.under_xla else None
             replacements = TensorMap((t, _local_input(self._source_of(t), gate))
                                      for t in local_inputs)
             copy = copy_with_input_replacements(ops, replacements, name_scope="recompute")
@@ -579,7 +618,7 @@ class _Rewrite:
                 # with the original, as tf.gradients colocates them.
                 _tf_private.colocate(copy.transformed(op), op)
             locals_ = [replacements[t] for t in local_inputs]
-            self._order_after(copy, locals_, trigger_ops)
+            self._order_after(copy, locals_, self.triggers[wait])
             copied_ys = [copy.transformed(y) for y in seg_ys]
             stop = [copy.transformed(t) for t in self.options.stop if copy.transformed(t) is not None]
             made_before = max(_tf_private.creation_index(t.op) for t in copied_ys + locals_)

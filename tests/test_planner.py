@@ -98,6 +98,33 @@ def test_a_plan_that_reads_its_checkpoint_recomputes_less_and_holds_it_longer():
         256 * 256 * price.per_element + price.op_overhead)
 
 
+def test_recomputing_ahead_holds_the_next_segment_through_this_backward():
+    """A plan that recomputes ahead runs the first half's recomputation before the second
+    half's backward pass (both wait for the same gradient): the same recomputation,
+    and the first half's 4 recomputed tanh outputs alive at the second half's peak."""
+    with tf.Graph().as_default():
+        model, outs, _, _ = _tanh_chain(8)
+        in_turn = model.predict(_ids(model, [outs[3]]))
+        ahead = model.predict(_ids(model, [outs[3]]), recompute_ahead=True)
+    assert ahead.recomputes_ahead and not in_turn.recomputes_ahead
+    # At the gradient of the last tanh: x, both halves' recomputed outputs, the incoming
+    # and the outgoing gradient (as many as plain tf.gradients holds on two segments).
+    assert ahead.peak_bytes == 11 * S + SUM_AXES == in_turn.peak_bytes + 4 * S
+    assert ahead.peak_at == "backward of segment 1 of 2, gradient of Tanh_7"
+    assert ahead.breakdown == {"resident": S + SUM_AXES, "recomputed": 8 * S,
+                               "gradients": 2 * S}
+    assert ahead.recompute_flops == in_turn.recompute_flops
+    # Three thirds: the last third's backward holds the middle third's 4 outputs where
+    # it held the checkpoint those are recomputed from, so 3 tensors more; and no
+    # more than two segments' outputs are ever alive at once.
+    with tf.Graph().as_default():
+        model, outs, _, _ = _tanh_chain(12)
+        in_turn, ahead = [model.predict(_ids(model, [outs[3], outs[7]]), recompute_ahead=a)
+                          for a in (False, True)]
+    assert in_turn.peak_bytes == 8 * S + SUM_AXES
+    assert ahead.peak_bytes == 11 * S + SUM_AXES
+
+
 def test_no_gradient_goes_through_stop_gradient_shape_or_comparisons():
     """tf.gradients sends nothing through a StopGradient, a Shape or a comparison: the
     model neither counts a gradient buffer for their inputs nor waits for one (it held
@@ -396,6 +423,26 @@ def test_budget_that_cannot_be_met_raises_before_adding_ops():
                            r"smallest predicted peak memsave can reach on this graph is [\d.]+ MB"):
             memsave.gradients(loss, [x], checkpoints=memsave.budget(2**20))
         assert len(graph.get_operations()) == before
+
+
+def test_a_budget_recomputes_ahead_exactly_where_that_still_fits():
+    """memsave.budget keeps its cheapest plan and recomputes ahead (same recomputation,
+    off the critical path) only where the plan's predicted peak that way fits the limit:
+    on 24 tanh, 0.6 of tf.gradients' 27 tensors is a plan of 16 that would hold 17
+    ahead; 0.7 fits those 17."""
+    with tf.Graph().as_default():
+        _, _, loss, x = _tanh_chain(24)
+        reports = {f: memsave.plan(loss, [x], checkpoints=memsave.budget(f)) for f in (0.6, 0.7)}
+    for fraction, report in reports.items():
+        assert report.predicted_peak_bytes <= fraction * report.baseline_peak_bytes
+        assert report.baseline_peak_bytes == 27 * S + SUM_AXES
+    assert not reports[0.6].recomputes_ahead and reports[0.7].recomputes_ahead
+    assert ([c.name for c in reports[0.6].checkpoints]
+            == [c.name for c in reports[0.7].checkpoints])
+    assert "predicted peak 4.25 MB" in reports[0.7].checkpoints[0].reason
+    assert reports[0.6].predicted_peak_bytes == 16 * S + SUM_AXES
+    assert reports[0.7].predicted_peak_bytes == 17 * S + SUM_AXES
+    assert reports[0.7].recompute_flops == reports[0.6].recompute_flops
 
 
 @pytest.mark.planner_fallback

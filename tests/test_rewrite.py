@@ -372,6 +372,48 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped, ac
     assert_same_gradients(expected, got)
 
 
+def _tanh_thirds(ahead):
+    """x -> 12 tanh -> sum, and a strategy keeping the 4th and 8th tanh outputs that
+    recomputes ahead or not (as memsave.budget decides, through the region's cache)."""
+    x = tf.compat.v1.placeholder(tf.float32, [64, 64], name="x")
+    h, outs = x, []
+    for _ in range(12):
+        h = tf.tanh(h)
+        outs.append(h)
+
+    def thirds(region):
+        region.cache[planner.RECOMPUTE_AHEAD] = ahead
+        return [outs[3], outs[7]]
+    return tf.reduce_sum(h), x, thirds
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in turn", "ahead"])
+def test_segments_recompute_ahead_where_the_plan_says(ahead):
+    """A segment's copies wait (through the control inputs of its input identities) for
+    the gradient of the checkpoint it ends at; recomputing ahead, for the gradient the
+    segment after it waits for, so they can run beside that segment's backward pass.
+    The gradients are tf.gradients' either way."""
+    with tf.Graph().as_default() as graph, memsave.always_rewrite():
+        loss, x, thirds = _tanh_thirds(ahead)
+        expected = tf.gradients(loss, [x])
+        got = memsave.gradients(loss, [x], checkpoints=thirds)
+        assert memsave.last_report().recomputes_ahead == ahead
+        assert ("each a segment ahead" in memsave.last_report().summary()) == ahead
+        waits = {op.name.split("/")[1]: [c.name for c in op.control_inputs]
+                 for op in graph.get_operations() if op.control_inputs}
+        value = np.random.default_rng(0).normal(size=[64, 64]).astype(np.float32)
+        with tf.compat.v1.Session(graph=graph) as session:
+            expected, got = session.run([expected, got], {x: value})
+    last_gradient = ["memsave/last_segment/gradients/memsave/last_segment/recompute/"
+                     "Tanh_8_grad/TanhGrad"]
+    middle_gradient = ["memsave/segment_7/gradients/memsave/segment_7/recompute/"
+                       "Tanh_4_grad/TanhGrad"]
+    assert waits == {"last_segment": ["Sum"],
+                     "segment_7": ["Sum"] if ahead else last_gradient,
+                     "segment_3": last_gradient if ahead else middle_gradient}
+    assert_same_gradients(expected, got)
+
+
 @pytest.mark.parametrize("checkpoints", ["memory", "conv outputs", "conv and relu outputs"])
 def test_plan_predicts_the_segments_and_the_copies_the_rewrite_runs(checkpoints):
     """memsave.plan (which builds nothing) counts the segments and the copies that will

@@ -24,6 +24,8 @@ UNKNOWN_DIM_SIZE = "unknown_dim_size"  # region.cache key: size assumed for unkn
 NO_DEFERRAL = "no_deferred_gradients"  # region.cache key: the rewrite makes none last
 READ_CHECKPOINTS = "read_checkpoints"  # region.cache key: whether the strategy's plan reads
                                       # its checkpoints (Segmentation), where it decided
+RECOMPUTE_AHEAD = "recompute_ahead"  # region.cache key: whether the strategy's plan
+                                    # recomputes ahead (MemoryModel.predict), where it decided
 
 
 def check_unknown_dim_size(value):
@@ -47,6 +49,13 @@ def may_read_checkpoints(region):
     return not _tf_private.in_xla_context(region.ys[0].graph)
 
 
+def may_recompute_ahead(region):
+    """Whether a plan's segments may recompute ahead (MemoryModel.predict's
+    recompute_ahead): not under XLA, which orders the copies by the data they read
+    (memsave.rewrite._xla_gate) and schedules them itself."""
+    return not _tf_private.in_xla_context(region.ys[0].graph)
+
+
 def model_of(region):
     """The MemoryModel of a ForwardRegion, built once per region.
 
@@ -66,5 +75,5 @@ def model_of(region):
 
 
 __all__ = ["StepGraph", "MemoryModel", "Prediction", "Segmentation", "model_of",
-           "may_read_checkpoints",
+           "may_read_checkpoints", "may_recompute_ahead",
            "check_unknown_dim_size", "Costs", "calibrate"]

@@ -19,7 +19,9 @@ live from the step that makes them to the last step that reads them:
 Outputs that share their input's buffer (Reshape, Identity, variable reads)
 extend that buffer instead of allocating. The order is the one the rewrite
 enforces: the whole forward pass, then segment by segment (last first) the
-segment's recomputation followed by its backward pass, whose gradient steps run
+segment's recomputation followed by its backward pass (or, for a plan that
+recomputes ahead, the next segment's recomputation first: it waits for the same
+gradient and runs beside this backward pass), whose gradient steps run
 as an executor runs them: each once its incoming gradients are complete, first
 come first served, so the backward passes of parallel branches interleave; then
 the weight gradients the rewrite makes last (StepGraph.deferred: each larger than
@@ -67,6 +69,8 @@ class Prediction:
       deferred_gradients: gradients made after the last segment (StepGraph.deferred).
       reads_checkpoints: whether the plan's segments read their checkpoints as the
         forward pass made them (MemoryModel.predict's read_checkpoints).
+      recomputes_ahead: whether each segment's recomputation may run beside the
+        backward pass of the segment after it (MemoryModel.predict's recompute_ahead).
       allocator_peak_bytes: what the device's allocator holds at its peak, chunks
         rounded up as it hands them out (memsave.planner.allocator), where the model
         simulates one and was asked to (MemoryModel.predict(..., allocator=True));
@@ -88,6 +92,7 @@ class Prediction:
     allocator_peak_bytes: Optional[int] = None
     allocator_peak_at: Optional[str] = None
     reads_checkpoints: bool = False
+    recomputes_ahead: bool = False
 
     @property
     def device_peak_bytes(self):
@@ -271,7 +276,7 @@ class MemoryModel:
         return prediction
 
     def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None,
-                allocator=False, read_checkpoints=False):
+                allocator=False, read_checkpoints=False, recompute_ahead=False):
         """The step as the rewrite builds it with these checkpoint tensor ids.
 
         Args:
@@ -287,13 +292,19 @@ class MemoryModel:
             cheaper, and ask for it where a plan is checked against a limit or reported.
           read_checkpoints: segments' gradients read the checkpoints as the forward
             pass made them instead of recomputing them (Segmentation).
+          recompute_ahead: each segment's recomputation waits for the gradient the
+            segment after it (in the forward pass) waits for, not for its own, so it
+            runs beside that segment's backward pass: on an executor with more than
+            one thread, recomputation leaves the critical path; its tensors are alive
+            for that backward pass too (simulated: it runs first).
         """
         if flops_per_byte is None:
             flops_per_byte = DEFAULT_FLOPS_PER_BYTE
-        key = _plan_key(checkpoints, offloaded, prefetch, flops_per_byte, read_checkpoints)
+        key = _plan_key(checkpoints, offloaded, prefetch, flops_per_byte, read_checkpoints,
+                        recompute_ahead)
         return self._cached(key, allocator, lambda replay: self._simulate(
             key, self._segmentation(key), frozenset(key[1]), prefetch, flops_per_byte,
-            replay=replay))
+            replay=replay, ahead=int(recompute_ahead)))
 
     def _segmentation(self, key):
         return Segmentation(self.graph, key[0], key[1], key[3])
@@ -328,7 +339,7 @@ class MemoryModel:
 
     # -- simulation ---------------------------------------------------------------
     def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
-                  replay=False):
+                  replay=False, ahead=0):
         graph, timeline = self.graph, self._forward_template.copy()
         self._last = (key, timeline, segmentation)
         forward = self._forward_buffers
@@ -343,7 +354,7 @@ class MemoryModel:
                 self._gradient_step(op, forward, gradients, timeline, ("backward", op, None))
         else:
             recompute, back, deferred = self._segments(
-                segmentation, forward, gradients, timeline, offloaded, prefetch)
+                segmentation, forward, gradients, timeline, offloaded, prefetch, ahead)
         out_bytes = sum(graph.size[t] for t in offloaded)
         back_bytes = sum(graph.size[t] for t in back)
         peak, at = timeline.peak()
@@ -364,6 +375,7 @@ class MemoryModel:
             deferred_gradients=deferred,
             reads_checkpoints=(segmentation is not None
                                and segmentation.reads_forward.read_checkpoints),
+            recomputes_ahead=segmentation is not None and ahead > 0,
             **(self._replayed(timeline, segmentation) if replay else {}))
 
     def _replayed(self, timeline, segmentation):
@@ -435,39 +447,29 @@ class MemoryModel:
                 gradients.contribute(tid, nbytes, step)
 
     def _segments(self, segmentation, forward, gradients, timeline, offloaded=frozenset(),
-                  prefetch=1):
-        """Each segment: its recomputation, then its backward; then the deferred weight
-        gradients. Returns the recompute FLOPs, the offloaded checkpoints copied back
-        (once per segment reading one), and the deferred gradient steps.
+                  prefetch=1, ahead=0):
+        """Each segment: its recomputation, then its backward (with `ahead`, the
+        recomputation of the `ahead` segments after it in the backward order first);
+        then the deferred weight gradients. Returns the recompute FLOPs, the offloaded
+        checkpoints copied back (once per segment reading one), and the deferred
+        gradient steps.
         An offloaded checkpoint a segment reads comes back into a buffer of its own from
-        the start of the segment `prefetch` segments earlier (memsave.offload)."""
-        graph, recompute = self.graph, 0
-        starts, back, deferred = [], [], []
-        for index, head in enumerate(segmentation.order):
-            ops = segmentation.ops[head]
-            executed = segmentation.executed(head)
+        the start of the segment `prefetch` segments earlier (memsave.offload): the step
+        where that segment's gradient is complete."""
+        order = segmentation.order
+        starts, back, deferred, recomputed = [], [], [], []
+        recompute = 0
+        for index in range(len(order)):
             if offloaded:  # (a step of its own only then: plain predictions stay as they were)
                 starts.append(timeline.step(("segment", None, index)))
-            local = {}
-            for tid in self._offloaded_reads(ops, executed, offloaded):
-                back.append(tid)
-                local[tid] = timeline.buffer(starts[max(index - prefetch, 0)], graph.size[tid],
-                                             "offloaded back", tid)
-            recompute += graph.costs.segment_overhead
-            for op in ops:
-                if op not in executed:
-                    continue
-                recompute += graph.cost[op] + graph.costs.op_overhead
-                step = timeline.step(("recompute", op, index))
-                for tid in graph.inputs[op]:
-                    timeline.use(local.get(tid, forward[tid]), step)
-                for tid in graph.outputs[op]:
-                    source = graph.alias_of[tid]
-                    if source >= 0:
-                        local[tid] = local.get(source, forward[source])
-                    else:
-                        local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
-            view = _Overlay(local, forward, segmentation.reads_forward)
+            while len(recomputed) <= min(index + ahead, len(order) - 1):
+                local, cost = self._recompute(segmentation, len(recomputed), forward, timeline,
+                                              offloaded, starts, prefetch, back)
+                recomputed.append(local)
+                recompute += cost
+            view = _Overlay(recomputed[index], forward, segmentation.reads_forward)
+            recomputed[index] = None
+            ops = segmentation.ops[order[index]]
             for op in self._backward_order(ops):
                 self._gradient_step(op, view, gradients, timeline, ("backward", op, index),
                                     deferred)
@@ -475,6 +477,35 @@ class MemoryModel:
         for op in reversed(segmentation.final_ops):
             self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
         return recompute, back, len(deferred)
+
+    def _recompute(self, segmentation, index, forward, timeline, offloaded, starts, prefetch,
+                   back):
+        """Segment `index`'s recomputation: (its buffers by tensor id, its cost). Its
+        offloaded reads (appended to `back`) come back from the start of the segment
+        `prefetch` earlier, or of the latest started (recomputing ahead)."""
+        graph = self.graph
+        ops = segmentation.ops[segmentation.order[index]]
+        executed = segmentation.executed(segmentation.order[index])
+        local = {}
+        for tid in self._offloaded_reads(ops, executed, offloaded):
+            back.append(tid)
+            start = starts[min(max(index - prefetch, 0), len(starts) - 1)]
+            local[tid] = timeline.buffer(start, graph.size[tid], "offloaded back", tid)
+        cost = graph.costs.segment_overhead
+        for op in ops:
+            if op not in executed:
+                continue
+            cost += graph.cost[op] + graph.costs.op_overhead
+            step = timeline.step(("recompute", op, index))
+            for tid in graph.inputs[op]:
+                timeline.use(local.get(tid, forward[tid]), step)
+            for tid in graph.outputs[op]:
+                source = graph.alias_of[tid]
+                if source >= 0:
+                    local[tid] = local.get(source, forward[source])
+                else:
+                    local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
+        return local, cost
 
     def _offloaded_reads(self, ops, executed, offloaded):
         """The offloaded checkpoints a segment's recomputation or backward reads."""
@@ -539,10 +570,12 @@ class MemoryModel:
         return f"backward of {where}, gradient of {name}"
 
 
-def _plan_key(checkpoints, offloaded=(), prefetch=1, flops_per_byte=0, read_checkpoints=False):
+def _plan_key(checkpoints, offloaded=(), prefetch=1, flops_per_byte=0, read_checkpoints=False,
+              recompute_ahead=False):
     """The key MemoryModel keeps a plan's prediction under."""
     return (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
-            (prefetch, flops_per_byte) if offloaded else None, bool(read_checkpoints))
+            (prefetch, flops_per_byte) if offloaded else None, bool(read_checkpoints),
+            bool(recompute_ahead))
 
 
 class _Overlay:

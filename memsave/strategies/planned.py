@@ -134,10 +134,24 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
                 f"{_mb(reachable)} (tf.gradients: {_mb(baseline)}); raise the budget "
                 f"to at least {_mb(reachable)}{hint}")
         prediction, plan, offloaded = best
+        prediction = _ahead_if_it_fits(model, region, prediction, plan, offloaded, limit)
         region.cache[planner.READ_CHECKPOINTS] = prediction.reads_checkpoints
+        region.cache[planner.RECOMPUTE_AHEAD] = prediction.recomputes_ahead
         return _choices(model, plan, f"within budget {_mb(limit)} (predicted peak "
                                      f"{_mb(prediction.device_peak_bytes)})",
                         offloaded if offloadable else None)
+
+
+def _ahead_if_it_fits(model, region, prediction, plan, offloaded, limit):
+    """The prediction of `plan` recomputing ahead where that still fits `limit`
+    (MemoryModel.predict's recompute_ahead: the same recomputation, off the backward
+    pass's critical path on an executor that runs ops side by side; its tensors live a
+    segment longer), else `prediction`."""
+    if offloaded or not planner.may_recompute_ahead(region):
+        return prediction
+    ahead = model.predict(plan, allocator=True, recompute_ahead=True,
+                          read_checkpoints=prediction.reads_checkpoints)
+    return ahead if ahead.device_peak_bytes <= limit else prediction
 
 
 def _offloadable(model, region):
