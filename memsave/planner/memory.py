@@ -19,9 +19,9 @@ live from the step that makes them to the last step that reads them:
 Outputs that share their input's buffer (Reshape, Identity, variable reads)
 extend that buffer instead of allocating. The order is the one the rewrite
 enforces: the whole forward pass, then segment by segment (last first) the
-segment's recomputation followed by its backward pass (or, for a plan that
-recomputes ahead, the next segment's recomputation first: it waits for the same
-gradient and runs beside this backward pass), whose gradient steps run
+segment's recomputation followed by its backward pass (for a plan that
+recomputes ahead, each recomputation as soon as the gradient it waits for is
+complete, within an earlier segment's backward pass), whose gradient steps run
 as an executor runs them: each once its incoming gradients are complete, first
 come first served, so the backward passes of parallel branches interleave; then
 the weight gradients the rewrite makes last (StepGraph.deferred: each larger than
@@ -39,7 +39,7 @@ from memsave.offload import DEFAULT_FLOPS_PER_BYTE
 from memsave.planner import allocator as allocator_lib
 from memsave.planner import costs, opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
-from memsave.planner.segments import Segmentation
+from memsave.planner.segments import LAST, Segmentation
 
 _FOREVER = 1 << 62
 _BASELINE = "baseline"  # the prediction key of plain tf.gradients
@@ -209,6 +209,10 @@ class _Gradients:
             if self.graph.is_x[tid]:
                 timeline.use(self.total[tid], _FOREVER)
 
+    def complete(self, tids):
+        """Whether the gradients of `tids` (a non-empty list) have all arrived."""
+        return bool(tids) and all(tid in self.total for tid in tids)
+
     def consume(self, tid, step):
         """Reads the gradient of `tid` at `step`; returns its buffer (or None)."""
         buffer = self.total.get(tid)
@@ -296,7 +300,8 @@ class MemoryModel:
             segment after it (in the forward pass) waits for, not for its own, so it
             runs beside that segment's backward pass: on an executor with more than
             one thread, recomputation leaves the critical path; its tensors are alive
-            for that backward pass too (simulated: it runs first).
+            for that backward pass too (simulated: it runs as soon as that gradient
+            is complete, which may be before the backward pass that makes it ends).
         """
         if flops_per_byte is None:
             flops_per_byte = DEFAULT_FLOPS_PER_BYTE
@@ -304,7 +309,7 @@ class MemoryModel:
                         recompute_ahead)
         return self._cached(key, allocator, lambda replay: self._simulate(
             key, self._segmentation(key), frozenset(key[1]), prefetch, flops_per_byte,
-            replay=replay, ahead=int(recompute_ahead)))
+            replay=replay, ahead=bool(recompute_ahead)))
 
     def _segmentation(self, key):
         return Segmentation(self.graph, key[0], key[1], key[3])
@@ -339,7 +344,7 @@ class MemoryModel:
 
     # -- simulation ---------------------------------------------------------------
     def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
-                  replay=False, ahead=0):
+                  replay=False, ahead=False):
         graph, timeline = self.graph, self._forward_template.copy()
         self._last = (key, timeline, segmentation)
         forward = self._forward_buffers
@@ -375,7 +380,7 @@ class MemoryModel:
             deferred_gradients=deferred,
             reads_checkpoints=(segmentation is not None
                                and segmentation.reads_forward.read_checkpoints),
-            recomputes_ahead=segmentation is not None and ahead > 0,
+            recomputes_ahead=segmentation is not None and ahead,
             **(self._replayed(timeline, segmentation) if replay else {}))
 
     def _replayed(self, timeline, segmentation):
@@ -447,36 +452,55 @@ class MemoryModel:
                 gradients.contribute(tid, nbytes, step)
 
     def _segments(self, segmentation, forward, gradients, timeline, offloaded=frozenset(),
-                  prefetch=1, ahead=0):
-        """Each segment: its recomputation, then its backward (with `ahead`, the
-        recomputation of the `ahead` segments after it in the backward order first);
-        then the deferred weight gradients. Returns the recompute FLOPs, the offloaded
-        checkpoints copied back (once per segment reading one), and the deferred
-        gradient steps.
+                  prefetch=1, ahead=False):
+        """Each segment: its recomputation, then its backward; then the deferred weight
+        gradients. Returns the recompute FLOPs, the offloaded checkpoints copied back
+        (once per segment reading one), and the deferred gradient steps.
+
+        `ahead`: each segment's recomputation runs as soon as the gradient it waits for
+        (the one the segment after it in the forward pass waits for) is complete, which
+        may be in the middle of an earlier segment's backward pass: an executor may
+        start it there, beside the rest of that backward pass and the next one.
         An offloaded checkpoint a segment reads comes back into a buffer of its own from
-        the start of the segment `prefetch` segments earlier (memsave.offload): the step
-        where that segment's gradient is complete."""
+        the start of the segment `prefetch` segments earlier (memsave.offload)."""
         order = segmentation.order
         starts, back, deferred, recomputed = [], [], [], []
         recompute = 0
-        for index in range(len(order)):
-            if offloaded:  # (a step of its own only then: plain predictions stay as they were)
-                starts.append(timeline.step(("segment", None, index)))
-            while len(recomputed) <= min(index + ahead, len(order) - 1):
+
+        def recompute_through(last):
+            nonlocal recompute
+            while len(recomputed) <= min(last, len(order) - 1):
                 local, cost = self._recompute(segmentation, len(recomputed), forward, timeline,
                                               offloaded, starts, prefetch, back)
                 recomputed.append(local)
                 recompute += cost
+
+        waits_for = [self._trigger(segmentation, head) for head in order] if ahead else None
+        for index in range(len(order)):
+            if offloaded:  # (a step of its own only then: plain predictions stay as they were)
+                starts.append(timeline.step(("segment", None, index)))
+            recompute_through(index + 1 if ahead else index)
             view = _Overlay(recomputed[index], forward, segmentation.reads_forward)
             recomputed[index] = None
-            ops = segmentation.ops[order[index]]
-            for op in self._backward_order(ops):
+            for op in self._backward_order(segmentation.ops[order[index]]):
                 self._gradient_step(op, view, gradients, timeline, ("backward", op, index),
                                     deferred)
+                while ahead and len(recomputed) < len(order) and gradients.complete(
+                        waits_for[len(recomputed) - 1]):
+                    recompute_through(len(recomputed))
         self._deferred_steps(deferred, gradients, timeline)
         for op in reversed(segmentation.final_ops):
             self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
         return recompute, back, len(deferred)
+
+    def _trigger(self, segmentation, head):
+        """The tensor ids whose gradients segment `head`'s copies wait for (the rewrite's
+        trigger: the gradients of the checkpoints its head op makes); empty where none
+        gets a gradient, or for the last segment (it waits for the forward pass)."""
+        if head == LAST:
+            return []
+        return [t for t in self.graph.outputs[head]
+                if t in segmentation.checkpoints and self._expected.get(t, 0) > 0]
 
     def _recompute(self, segmentation, index, forward, timeline, offloaded, starts, prefetch,
                    back):
