@@ -6,6 +6,7 @@ searches that choose checkpoints with them.
 - costs.py:    what running an op again costs on this machine (calibrate());
 - segments.py: which segment recomputes which op (shared by the rewrite);
 - memory.py:   the simulated peak of the plain and the rewritten step;
+- intervals.py: the most bytes alive at once among buffers over ranges of steps;
 - allocator.py: that step replayed through TensorFlow's BFC allocator (what it holds);
 - search.py:   the plans with the lowest predicted peak, or the least recomputation
                under a budget.

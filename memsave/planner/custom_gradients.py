@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from memsave.graph import _tf_private
-from memsave.planner import opinfo
+from memsave.planner import intervals, opinfo
 from memsave.region import estimated_bytes
 
 logger = logging.getLogger(__name__)
@@ -125,15 +125,7 @@ class _Buffers:
             self.ends[index] = max(self.ends[index], step)
 
     def peak(self, steps):
-        live = [0] * (steps + 1)
-        for start, end, nbytes in zip(self.starts, self.ends, self.sizes):
-            live[start] += nbytes
-            live[end + 1] -= nbytes
-        peak = current = 0
-        for change in live:
-            current += change
-            peak = max(peak, current)
-        return peak
+        return intervals.peak(self.starts, self.ends, self.sizes, steps)[0]
 
 
 def _temporaries(graph, results, placeholders, ones, unknown_dim_size):

@@ -37,7 +37,7 @@ from typing import Optional
 
 from memsave.offload import DEFAULT_FLOPS_PER_BYTE
 from memsave.planner import allocator as allocator_lib
-from memsave.planner import costs, opinfo
+from memsave.planner import costs, intervals, opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
 from memsave.planner.segments import LAST, Segmentation
 
@@ -166,17 +166,7 @@ class _Timeline:
 
     def peak(self):
         """(peak bytes, step of the peak)."""
-        n = len(self.labels)
-        diff = [0] * (n + 1)
-        for start, end, nbytes in zip(self.starts, self.ends, self.bytes):
-            diff[start] += nbytes
-            diff[min(end, n - 1) + 1] -= nbytes
-        best, best_step, live = -1, 0, 0
-        for i in range(n):
-            live += diff[i]
-            if live > best:
-                best, best_step = live, i
-        return max(best, 0), best_step
+        return intervals.peak(self.starts, self.ends, self.bytes, len(self.labels))
 
 
 class _Gradients:

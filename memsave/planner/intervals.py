@@ -1,0 +1,23 @@
+"""The most bytes alive at once among buffers that each live over a range of steps.
+
+Shared by the memory model's timeline (memsave.planner.memory) and the probe of a
+custom gradient's temporaries (memsave.planner.custom_gradients).
+"""
+
+
+def peak(starts, ends, sizes, steps):
+    """(peak bytes, first step at which it is reached) over steps 0 .. steps - 1.
+
+    Buffer i holds sizes[i] bytes from step starts[i] through step ends[i] (an end
+    past the last step counts as the last step). One difference-array pass.
+    """
+    diff = [0] * (steps + 1)
+    for start, end, nbytes in zip(starts, ends, sizes):
+        diff[start] += nbytes
+        diff[min(end, steps - 1) + 1] -= nbytes
+    best, best_step, live = -1, 0, 0
+    for step in range(steps):
+        live += diff[step]
+        if live > best:
+            best, best_step = live, step
+    return max(best, 0), best_step
