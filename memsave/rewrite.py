@@ -377,10 +377,15 @@ def _ahead_or_not(model, region, checkpoints, offloaded, prediction):
     chosen = region.cache.get(planner.RECOMPUTE_AHEAD)
     if chosen is False or offloaded or not planner.may_recompute_ahead(region):
         return prediction
+    within = 1 + _FREE_PEAK_TOLERANCE
+    reads = prediction.reads_checkpoints
+    if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
+        ahead = model.predict(checkpoints, recompute_ahead=True, read_checkpoints=reads)
+        if ahead.peak_bytes > prediction.peak_bytes * within:
+            return prediction
     ahead = model.predict(checkpoints, allocator=True, recompute_ahead=True,
-                          read_checkpoints=prediction.reads_checkpoints)
-    if chosen or ahead.device_peak_bytes <= prediction.device_peak_bytes * (
-            1 + _FREE_PEAK_TOLERANCE):
+                          read_checkpoints=reads)
+    if chosen or ahead.device_peak_bytes <= prediction.device_peak_bytes * within:
         return ahead
     return prediction
 
