@@ -151,8 +151,12 @@ def _ahead_if_it_fits(model, region, prediction, plan, offloaded, limit):
     segment longer), else `prediction`."""
     if offloaded or not planner.may_recompute_ahead(region):
         return prediction
-    ahead = model.predict(plan, allocator=True, recompute_ahead=True,
-                          read_checkpoints=prediction.reads_checkpoints)
+    reads = prediction.reads_checkpoints
+    # Live tensors first: the allocator never holds less, so a plan whose tensors
+    # overrun the limit is not replayed (as search._Search.fits).
+    if model.predict(plan, recompute_ahead=True, read_checkpoints=reads).peak_bytes > limit:
+        return prediction
+    ahead = model.predict(plan, allocator=True, recompute_ahead=True, read_checkpoints=reads)
     return ahead if ahead.device_peak_bytes <= limit else prediction
 
 
