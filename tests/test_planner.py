@@ -208,6 +208,39 @@ def test_no_gradient_goes_through_stop_gradient_shape_or_comparisons():
         assert counts[step.id_of(h)] == 1
 
 
+def test_a_gradient_that_goes_nowhere_makes_no_temporaries():
+    """Keras' batch norm takes its variance as SquaredDifference(x, stop_gradient(mean)).
+    tf.gradients builds the mean side's gradient (an output-sized product reduced to the
+    mean's shape) although nothing reads it, and TensorFlow never runs it: the model
+    counts no temporary for it (it counted one, a whole activation, at the peak of every
+    Keras model's 'memory' plan) and sends no gradient to the StopGradient's output."""
+    def squared_difference_step(stop):
+        x = tf.compat.v1.placeholder(tf.float32, [256, 256], name="x")
+        h = tf.tanh(x)
+        mean = tf.reduce_mean(h, axis=0, keepdims=True)
+        loss = tf.reduce_sum(tf.math.squared_difference(h, tf.stop_gradient(mean) if stop else mean))
+        step = planner.StepGraph.build(ForwardRegion.build([loss], [x]))
+        by_type = {step.ops[op].type: op for op in step.region_op_ids()}
+        return step, by_type["SquaredDifference"], h, loss, x
+
+    with tf.Graph().as_default():
+        step, op, h, loss, x = squared_difference_step(stop=True)
+        assert step.grad_temporaries[op] == 0
+        assert [tid for tid, _ in step.grad_inputs[op]] == [step.id_of(h)]
+        # What TensorFlow runs: the mean side's gradient (a Neg, then a Sum) is pruned.
+        metadata = tf.compat.v1.RunMetadata()
+        with tf.compat.v1.Session() as session:
+            session.run(tf.gradients(loss, [x]), {x: np.ones([256, 256], np.float32)},
+                        options=tf.compat.v1.RunOptions(output_partition_graphs=True),
+                        run_metadata=metadata)
+        assert not [node for graph in metadata.partition_graphs for node in graph.node
+                    if node.op == "Neg"]
+    with tf.Graph().as_default():  # without the StopGradient, the product is made
+        step, op, h, _, _ = squared_difference_step(stop=False)
+        assert step.grad_temporaries[op] == S
+        assert len(step.grad_inputs[op]) == 2
+
+
 def _silu_chain(n):
     """x -> silu^n -> reduce_sum in a v1 graph: `tf.nn.silu` is a tf.custom_gradient
     (an IdentityN whose gradient reads silu's input and recomputes the sigmoid)."""

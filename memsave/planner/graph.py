@@ -187,9 +187,10 @@ class StepGraph:
             elif op.type == "IdentityN" and len(self.inputs[index]) == len(op.inputs):
                 for source, tid in zip(self.inputs[index], self.outputs[index]):
                     self.alias_of[tid] = source
+        stops = set()
         for index, op in enumerate(self.ops):
             if self.kind[index] in (REGION, KEPT):
-                self._link_gradient(index, op, region)
+                self._link_gradient(index, op, region, stops)
         self._drop_gradients_nothing_reaches()
 
     def _drop_gradients_nothing_reaches(self):
@@ -218,7 +219,15 @@ class StepGraph:
                 if handle is not None and self.size[handle] == 0:
                     self.size[handle] = self.size[out]
 
-    def _link_gradient(self, index, op, region):
+    def _link_gradient(self, index, op, region, stops):
+        """What the gradient of op `index` reads, where it sends gradients, and its
+        temporaries. `stops` (updated; ops come in topological order) holds the ids of
+        path tensors whose gradient goes nowhere: made by an op that sends none back
+        (a StopGradient, a Shape), and not an x. tf.gradients still builds the gradient
+        a reader sends such a tensor, but nothing reads it and TensorFlow never runs it:
+        Keras' batch norm takes its variance around stop_gradient(mean), and the
+        output-sized product a SquaredDifference's gradient would reduce to the mean's
+        shape is never made."""
         ins, outs = self.inputs[index], self.outputs[index]
         custom = custom_gradients.has_custom_gradient(op)
         probe = custom_gradients.probe(
@@ -242,12 +251,14 @@ class StepGraph:
         differentiated = []
         for i, tid in enumerate(ins):
             t = self.tensors[tid]
-            if i not in passes or not region.depends_on_xs(t):
+            if i not in passes or not region.depends_on_xs(t) or tid in stops:
                 continue
             # A resource input is a variable handle: its gradient is the variable's size.
             if t.dtype == tf.resource or t.dtype.is_floating or t.dtype.is_complex:
                 self.grad_inputs[index].append((tid, self.size[tid]))
                 differentiated.append(i)
+        if not differentiated:
+            stops.update(t for t in outs if not self.is_x[t])
         if probe is not None:
             self.grad_temporaries[index] = probe.temporaries
         elif outs and len(ins) == len(op.inputs):
