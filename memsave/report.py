@@ -78,7 +78,11 @@ class RewriteReport:
     `recomputes_ahead` says whether each segment's recomputation waits for the gradient
     the segment after it waits for rather than its own, so it runs beside that
     segment's backward pass, off the critical path of an executor that runs ops side
-    by side (chosen on the same terms).
+    by side (chosen on the same terms). `orders_backward` says whether each segment's
+    large gradient ops wait, each for the one tf.gradients made before it, so that an
+    executor running ops side by side holds what the memory model holds (the 'memory'
+    strategy; not under XLA, nor where TensorFlow's own CPU convolution gradients are
+    already serialized).
     """
     strategy: str
     region_ops: int
@@ -104,6 +108,7 @@ class RewriteReport:
     deferred_gradients: int = 0
     reads_checkpoints: bool = False
     recomputes_ahead: bool = False
+    orders_backward: bool = False
     predicted_segments: int = 0
     predicted_recomputed_ops: int = 0
 
@@ -142,6 +147,7 @@ class RewriteReport:
 
     def _recomputation(self):
         ahead = ", each a segment ahead" if self.recomputes_ahead else ""
+        ahead += ", large gradient ops one after another" if self.orders_backward else ""
         if not self.segments:  # (memsave.plan builds none: what the model predicts)
             return (f"{self.predicted_segments} segments would recompute "
                     f"{self.predicted_recomputed_ops} ops{ahead}")

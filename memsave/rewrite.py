@@ -333,6 +333,13 @@ def _report(strategy_name, region, kept, dropped, offloader):
                                    offloaded, offloader.options)
     report.reads_checkpoints = prediction.reads_checkpoints
     report.recomputes_ahead = prediction.recomputes_ahead
+    # Not under XLA (which drops control inputs), nor where TensorFlow's own CPU
+    # convolution gradients run one after the other (_Rewrite.serialize_conv_gradients:
+    # their control inputs point from a filter gradient to the input gradient made
+    # before it, and a chain in the order of making would close a cycle).
+    report.orders_backward = (bool(region.cache.get(planner.ORDER_BACKWARD))
+                              and not _tf_private.in_xla_context(region.ys[0].graph)
+                              and not graph.conv_threads)
     report.predicted_peak_bytes = prediction.device_peak_bytes
     report.predicted_live_bytes = prediction.peak_bytes
     report.predicted_host_bytes = prediction.host_bytes
@@ -563,6 +570,11 @@ class _Rewrite:
             tid for tid, c in zip(ids, self.checkpoints) if offloader.applies_to(c)],
             report.reads_checkpoints)
         self.deferred_cones, self.other_gradients = [], []
+        # Each segment's large gradient ops one after another (report.orders_backward).
+        self.order_backward = report.orders_backward
+        graph = self.step_graph
+        self.large_bytes = max((graph.size[t] for op in graph.region_op_ids()
+                                for t in graph.outputs[op]), default=0) // _LARGE_FRACTION
 
     def run(self):
         self._last_segment()
@@ -632,6 +644,9 @@ class _Rewrite:
             self._read_copies(ops, copy, made_before)
             self._read_from_forward(ops, copy, made_before, gate)
             deferred = self._deferred_cones(local_inputs, grads, made_before)
+            if self.order_backward:
+                _one_after_another(_large_ops_needed_by(grads, made_before, deferred,
+                                                        self.large_bytes))
             if gate is not None:
                 # The gradients leave the segment materialised too: XLA would otherwise
                 # fuse their last elementwise ops into the next segments' readers and keep
@@ -875,6 +890,40 @@ def _serialize_conv_gradients(copied_ops, deferred=frozenset()):
                 partner = filter_grads.get(tensor_key(consumer.inputs[2]))
                 if partner is not None:
                     _tf_private.add_control_inputs(consumer, [partner])
+
+
+# Gradient ops whose outputs hold at least 1/_LARGE_FRACTION of the step's largest
+# tensor are "large" (report.orders_backward).
+_LARGE_FRACTION = 16
+
+
+def _large_ops_needed_by(grads, made_before, excluded, min_bytes):
+    """The ops made after the op numbered `made_before` (a segment's tf.gradients call)
+    that its gradients `grads` need, but those in `excluded` (deferred weight gradients)
+    and in v1 control-flow frames, whose outputs hold at least `min_bytes`, in the
+    order they were made. (Ops nothing needs are left out: a control input from one
+    would make TensorFlow run it.)"""
+    stack = [t.op for g in grads if g is not None
+             for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+    needed = set()
+    while stack:
+        op = stack.pop()
+        if op in needed or op in excluded or _tf_private.creation_index(op) <= made_before:
+            continue
+        needed.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    large = [op for op in needed if _tf_private.control_flow_context(op) is None
+             and sum(estimated_bytes(t) for t in op.outputs) >= min_bytes]
+    return sorted(large, key=_tf_private.creation_index)
+
+
+def _one_after_another(ops):
+    """Each of `ops` waits for the one before it (control inputs). tf.gradients makes an
+    op's gradient ops after those of the ops it reads from, so in the order they were
+    made they never wait for one made later: no cycle."""
+    for earlier, later in zip(ops, ops[1:]):
+        _tf_private.add_control_inputs(later, [earlier])
 
 
 def _readers_made_after(t, made_before):

@@ -27,6 +27,8 @@ READ_CHECKPOINTS = "read_checkpoints"  # region.cache key: whether the strategy'
                                       # its checkpoints (Segmentation), where it decided
 RECOMPUTE_AHEAD = "recompute_ahead"  # region.cache key: whether the strategy's plan
                                     # recomputes ahead (MemoryModel.predict), where it decided
+ORDER_BACKWARD = "order_backward"  # region.cache key: whether the rewrite makes each
+                                  # segment's large gradient ops run one after another
 
 
 def check_unknown_dim_size(value):
@@ -76,5 +78,5 @@ def model_of(region):
 
 
 __all__ = ["StepGraph", "MemoryModel", "Prediction", "Segmentation", "model_of",
-           "may_read_checkpoints", "may_recompute_ahead",
+           "may_read_checkpoints", "may_recompute_ahead", "ORDER_BACKWARD",
            "check_unknown_dim_size", "Costs", "calibrate"]
