@@ -919,9 +919,11 @@ def _large_ops_needed_by(grads, made_before, excluded, min_bytes):
 
 
 def _one_after_another(ops):
-    """Each of `ops` waits for the one before it (control inputs). tf.gradients makes an
-    op's gradient ops after those of the ops it reads from, so in the order they were
-    made they never wait for one made later: no cycle."""
+    """Each of `ops` (in the order they were made) waits for the one before it, through
+    control inputs. An op's inputs exist before it is made, so every edge runs from an
+    earlier-made op to a later-made one but the control inputs memsave adds pointing
+    back (deferred weight gradients, which are left out; TensorFlow's own CPU
+    convolution gradients, where no order is made): the chain closes no cycle."""
     for earlier, later in zip(ops, ops[1:]):
         _tf_private.add_control_inputs(later, [earlier])
 
