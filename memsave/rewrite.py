@@ -572,9 +572,6 @@ class _Rewrite:
         self.deferred_cones, self.other_gradients = [], []
         # Each segment's large gradient ops one after another (report.orders_backward).
         self.order_backward = report.orders_backward
-        graph = self.step_graph
-        self.large_bytes = max((graph.size[t] for op in graph.region_op_ids()
-                                for t in graph.outputs[op]), default=0) // _LARGE_FRACTION
 
     def run(self):
         self._last_segment()
@@ -645,8 +642,9 @@ class _Rewrite:
             self._read_from_forward(ops, copy, made_before, gate)
             deferred = self._deferred_cones(local_inputs, grads, made_before)
             if self.order_backward:
-                _one_after_another(_large_ops_needed_by(grads, made_before, deferred,
-                                                        self.large_bytes))
+                _one_after_another(_large_ops_needed_by(
+                    grads, made_before, deferred,
+                    self.step_graph.largest_bytes // _LARGE_FRACTION))
             if gate is not None:
                 # The gradients leave the segment materialised too: XLA would otherwise
                 # fuse their last elementwise ops into the next segments' readers and keep

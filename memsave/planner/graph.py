@@ -64,7 +64,8 @@ class StepGraph:
         one, that gives it a gradient, is in `deferred` for it).
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
-      small_bytes: 1/1024 of the region's largest tensor.
+      largest_bytes: the region's largest tensor.
+      small_bytes: 1/1024 of it.
       workspaces: ids of the tensors whose size the graph does not give but the
         kernels on this machine decide (opinfo.workspace_bytes: a batch norm's third
         reserve space); `size` holds that size.
@@ -96,6 +97,7 @@ class StepGraph:
         self.deferred_tensors = set()
         self.workspaces = set()
         self.custom_gradient_ops = set()
+        self.largest_bytes = 0
         self.small_bytes = 0
         self.small = frozenset()
         self.costs = costs.active()
@@ -124,7 +126,8 @@ class StepGraph:
         step._size_workspaces(None if _tf_private.in_xla_context(region.ys[0].graph) else kernels)
         step._link(region)
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
-        step.small_bytes = max((step.size[t] for t in region_tensors), default=0) // SMALL_FRACTION
+        step.largest_bytes = max((step.size[t] for t in region_tensors), default=0)
+        step.small_bytes = step.largest_bytes // SMALL_FRACTION
         step.small = frozenset(t for t in region_tensors if step.size[t] <= step.small_bytes
                                and (step.tensors[t].shape.is_fully_defined()
                                     or t in step.workspaces))
