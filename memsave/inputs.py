@@ -71,7 +71,8 @@ def normalise_call(ys, xs, grad_ys=None, stop_gradients=None):
     graph = _common_graph(_labelled(ys, "ys") + _labelled(xs, "xs")
                           + _labelled(stop, "stop_gradients") + _labelled(grad_ys or [], "grad_ys"))
     delegate = (_why_plain(ys, "ys", graph) or _why_plain(xs, "xs", graph)
-                or _why_plain_grad_ys(grad_ys, graph) or _why_plain(stop, "stop_gradients", graph))
+                or _why_plain_grad_ys(grad_ys, graph) or _why_plain(stop, "stop_gradients", graph)
+                or _why_plain_here(graph))
     if delegate:
         return Call(ys, xs, grad_ys, stop, graph, delegate)
     for i, y in enumerate(ys):
@@ -79,8 +80,11 @@ def normalise_call(ys, xs, grad_ys=None, stop_gradients=None):
         if g is not None:
             _check_grad_y(g, y, i)
         elif y.dtype.is_complex:
-            raise MemsaveTypeError(f"ys[{i}] ({y.name}) is complex, so its gradient is not "
-                                   f"defined by default; pass grad_ys (e.g. tf.ones_like(y))")
+            # (tf.gradients' own words first: code written around it matches them)
+            raise MemsaveTypeError(f"Gradients of complex tensors ({y}) must set grad_ys "
+                                   f"(y.dtype = {y.dtype.name}): ys[{i}] ({y.name}) is complex, "
+                                   "so its gradient is not defined by default; pass grad_ys "
+                                   "(e.g. tf.ones_like(y))")
     # Last: inside a tf.function this may capture a variable's handle (an op).
     xs, stop = _handles(xs, graph), _handles(stop, graph)
     return Call(ys, xs, grad_ys, stop, graph)
@@ -197,6 +201,15 @@ def _why_plain(values, what, graph):
         if what == "ys" and not (value.dtype.is_floating or value.dtype.is_complex):
             return (f"{label} ({value.name}) has dtype {value.dtype.name}: only floating-point "
                     "ys have activations worth recomputing")
+    return None
+
+
+def _why_plain_here(graph):
+    """Why plain tf.gradients must answer a call made where the graph is now, or None."""
+    if graph is not None and _tf_private.building_in_control_flow(graph):
+        return ("it was called inside the body of a v1 tf.while_loop or tf.cond (e.g. "
+                "tf.hessians' loop under TF1 behaviour), where memsave's copies could not "
+                "read tensors from outside the frame")
     return None
 
 

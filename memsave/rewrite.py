@@ -25,9 +25,11 @@
 
 Tensors that depend on the xs but cannot be recomputed (variable reads, random
 draws, control flow: see memsave.region) are read by the copies through a
-segment-local identity too; their gradients are collected and pushed
-through the original ops to the xs in one final `tf.gradients` call (variable
-reads of the xs need none: their gradients are the variables'). Keeping
+segment-local identity too. The ops that make them are differentiated as they
+are, each once, with the whole gradient of their outputs, between the segments
+(memsave.backward orders the parts; what such an op reads from the region is a
+checkpoint): every gradient function is called once, as tf.gradients calls it.
+Variable reads of the xs need no call: their gradients are the variables'. Keeping
 every segment's inputs local also keeps each per-segment `tf.gradients` call
 proportional to its segment, not to the whole graph.
 """
@@ -42,13 +44,13 @@ import warnings
 
 import tensorflow as tf
 
-from memsave import aggregate, inputs, planner
+from memsave import aggregate, backward, inputs, planner
 from memsave import offload as offload_lib
 from memsave import report as report_lib
-from memsave.errors import MemsaveError, MemsaveTypeError, MemsaveWarning
+from memsave.errors import DEBUG_HINT, MemsaveError, MemsaveTypeError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.graph.reroute import reroute_ts
-from memsave.graph.select import TensorMap, TensorSet, get_backward_walk_ops, tensor_key
+from memsave.graph.select import TensorMap, TensorSet, get_ops_on_cycles, tensor_key
 from memsave.graph.transform import copy_with_input_replacements
 from memsave.planner.segments import ForwardReads, Segmentation
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion, estimated_bytes
@@ -192,11 +194,73 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
         if report.fallback:
             return _plain_gradients(report, explicit and not region.cache.get(PLAIN),
                                     ys, xs, grad_ys, options)
+        checkpoints = [c.tensor for c in kept]
+        try:
+            parts = _parts_in_backward_order(call, region, checkpoints)
+        except backward.NoBackwardOrder as why:
+            report.fallback = f"memsave: {why}, so plain tf.gradients answered the call"
+            return _plain_gradients(report, explicit, ys, xs, grad_ys, options)
+        made_before = len(call.graph.get_operations())
         with tf.name_scope(options.name):
-            result = _Rewrite(call.ys, call.xs, call.grad_ys, region, [c.tensor for c in kept],
+            result = _Rewrite(call.ys, call.xs, call.grad_ys, region, checkpoints, parts,
                               options, report, offloader).run()
+        _check_acyclic(call.graph.get_operations()[made_before:])
     report_lib.record(report)
     return result
+
+
+def _check_acyclic(new_ops):
+    """Raises where the rewrite's ops (`new_ops`) close a cycle, which TensorFlow would
+    only refuse when the step runs; their control inputs are removed first, so what
+    is left in the graph is never run and never fails.
+
+    Raises:
+      MemsaveError: naming ops on the cycle.
+    """
+    on_cycles = get_ops_on_cycles(new_ops)
+    if not on_cycles:
+        return
+    for op in new_ops:
+        _tf_private.remove_control_inputs(op)
+    names = ", ".join(op.name for op in on_cycles[:6]) + (" ..." if len(on_cycles) > 6 else "")
+    raise MemsaveError(
+        f"the rewrite would close a cycle of {len(on_cycles)} ops ({names}), so no gradients "
+        "were returned; this is a bug in memsave, please report it with the model. Meanwhile, "
+        "another strategy (e.g. checkpoints='memory' or a list) or tf.gradients avoids it",
+        hint=DEBUG_HINT)
+
+
+def _parts_in_backward_order(call, region, checkpoints):
+    """The rewrite's parts (memsave.backward), each after every part sending gradient to
+    what it needs, so each gradient function is called once with its whole gradient.
+    Adds nothing to the graph.
+
+    Raises:
+      backward.NoBackwardOrder: where there is no such order.
+    """
+    step_graph = planner.model_of(region).graph
+    checkpoint_set = TensorSet(checkpoints)
+    groups = {}
+    for c in checkpoints:
+        groups.setdefault(c.op, []).append(c)
+    ordered_groups = [groups[op] for op in sorted(groups, key=region.position.__getitem__)]
+    reads_of_xs = _reads_of_variables(call.xs)
+    parts = backward.parts_of(region, call.ys, checkpoint_set, ordered_groups,
+                              step_graph.op_id.__getitem__,
+                              skip_kept=lambda op: _reads_one_of(op, reads_of_xs))
+    return backward.backward_order(
+        parts, lambda t: region.is_x(t) or _reads_one_of(t.op, reads_of_xs))
+
+
+def _reads_of_variables(xs):
+    """The variable handles among `xs` (a TensorSet)."""
+    return TensorSet(x for x in xs if x.dtype == tf.resource)
+
+
+def _reads_one_of(op, handles):
+    """Whether `op` reads the value of a variable whose handle is in `handles`: its
+    gradient is that variable's, summed into the result without a gradient call."""
+    return op.type == "ReadVariableOp" and op.inputs[0] in handles
 
 
 _UNCONNECTED = "none of the ys depends on any of the xs"
@@ -448,8 +512,10 @@ class _Options:
         try:
             self.unconnected = tf.UnconnectedGradients(unconnected)
         except ValueError as error:
-            raise MemsaveError(f"unconnected_gradients is {unconnected!r}; expected 'none' or "
-                               "'zero' (tf.UnconnectedGradients.NONE or .ZERO)") from error
+            # (tf.gradients' own words first: code written around it matches them)
+            raise MemsaveError(f"Unknown value for unconnected_gradients: {unconnected!r}; "
+                               "expected 'none' or 'zero' (tf.UnconnectedGradients.NONE or "
+                               ".ZERO)") from error
         self.name = kwargs.get("name") or "memsave"
         # Everything, for a call answered by plain tf.gradients.
         self.plain = dict(self.passed, unconnected_gradients=self.unconnected,
@@ -508,18 +574,27 @@ def _as_choices(choices, region):
 
 
 def _with_shared_tensors(kept, region):
-    """Step 2b: adds the tensors several segments would recompute (memsave.planner.segments)."""
+    """Step 2b: adds the tensors ops that are not recomputed read (memsave.backward: a
+    segment ends there, so the op's gradient is taken once, with its whole gradient) and
+    those several segments would recompute (memsave.planner.segments)."""
     if not kept:
         return kept
     graph = planner.model_of(region).graph
-    shared = Segmentation(graph, [graph.id_of(c.tensor) for c in kept]).shared
-    if not shared:
+    segmentation = Segmentation(graph, [graph.id_of(c.tensor) for c in kept])
+    added = [Choice(graph.tensors[t], _READ_BY_KEPT_OP) for t in segmentation.forced]
+    added += [Choice(graph.tensors[t], "read by several segments: kept so it is recomputed "
+                     "once") for t in segmentation.shared]
+    if not added:
         return kept
-    logger.debug("memsave: keeping %d tensors read by several segments", len(shared))
-    kept = kept + [Choice(graph.tensors[t], "read by several segments: kept so it is recomputed "
-                          "once") for t in shared]
+    logger.debug("memsave: keeping %d tensors read by ops that are not recomputed and %d read "
+                 "by several segments", len(segmentation.forced), len(segmentation.shared))
+    kept = kept + added
     kept.sort(key=lambda c: region.position[c.tensor.op])
     return kept
+
+
+_READ_BY_KEPT_OP = ("read by an op that is not recomputed (control flow, a stateful op): a "
+                    "segment ends there, so that op's gradient is taken once")
 
 
 def _no_checkpoints_message(strategy_name, region):
@@ -535,8 +610,9 @@ def _no_checkpoints_message(strategy_name, region):
 class _Rewrite:
     """One rewrite: the segments, and the gradient contributions between them."""
 
-    def __init__(self, ys, xs, grad_ys, region, checkpoints, options, report, offloader):
+    def __init__(self, ys, xs, grad_ys, region, checkpoints, parts, options, report, offloader):
         self.ys, self.xs = ys, xs
+        self.parts = parts  # (memsave.backward, in backward order)
         # grad_ys may be Python numbers or numpy arrays (checked by memsave.inputs).
         self.grad_ys = None if grad_ys is None else [
             None if g is None else tf.convert_to_tensor(g, dtype=y.dtype.base_dtype)
@@ -546,6 +622,7 @@ class _Rewrite:
         self.options = options
         self.report = report
         self.pending = TensorMap()  # tensor -> list of gradient contributions
+        self.totals = TensorMap()  # an x made from other xs -> its whole gradient
         # TensorFlow's own CPU convolution gradients each allocate a ~30 MiB im2col
         # buffer; run the two of one convolution one after the other (as the memory
         # model assumes for the rewrite), not side by side.
@@ -574,29 +651,49 @@ class _Rewrite:
         self.order_backward = report.orders_backward
 
     def run(self):
-        self._last_segment()
-        for group in reversed(self._checkpoint_groups()):
-            self._earlier_segment(group)
+        self._seed_ys_outside_the_region()
+        for part in self.parts:
+            if part.kind == backward.KEPT:
+                self._kept_part(part)
+            elif part.is_last_segment:
+                self._last_segment(part.ops)
+            else:
+                self._earlier_segment(part.checkpoint_group, part.ops)
         self._defer_weight_gradients()
         result = self._gradients_of_xs()
         self.report.offload_moved_bytes = self.offloader.moved_bytes
         return result
 
     # -- steps 4 and 5 -----------------------------------------------------------
-    def _last_segment(self):
+    def _seed_ys_outside_the_region(self):
+        """The gradients of the ys that no segment ends at (made by an op that is not
+        recomputed, or xs) start as their grad_ys."""
         grad_ys = self.grad_ys or [None] * len(self.ys)
-        inside = [(y, g) for y, g in zip(self.ys, grad_ys) if y.op in self.region]
         for y, g in zip(self.ys, grad_ys):
             if y.op not in self.region and self.region.depends_on_xs(y):
                 self._add(y, g if g is not None else tf.ones_like(y))
-        if inside:
-            seg_ys, seg_grads = zip(*inside)
-            seg_grads = None if all(g is None for g in seg_grads) else [
-                g if g is not None else tf.ones_like(y) for y, g in inside]
-            self._segment(list(seg_ys), seg_grads, [y.op for y in self.ys], seg_ys[0],
-                          "last_segment")
 
-    def _earlier_segment(self, group):
+    def _last_segment(self, ops):
+        grad_ys = self.grad_ys or [None] * len(self.ys)
+        seg_ys, seg_grads, seen = [], [], TensorSet()
+        for y, g in zip(self.ys, grad_ys):
+            if y.op not in self.region:
+                continue
+            # A y that an op that is not recomputed reads gets that op's gradient too
+            # (once, however often the y is listed).
+            from_kept = [] if y in seen else self.pending_of(y)
+            seen.add(y)
+            if from_kept:
+                g = self._summed(y, [g if g is not None else tf.ones_like(y)] + from_kept)
+            seg_ys.append(y)
+            seg_grads.append(g)
+        if all(g is None for g in seg_grads):
+            seg_grads = None
+        else:
+            seg_grads = [g if g is not None else tf.ones_like(y) for y, g in zip(seg_ys, seg_grads)]
+        self._segment(seg_ys, seg_grads, [y.op for y in self.ys], seg_ys[0], "last_segment", ops)
+
+    def _earlier_segment(self, group, ops):
         seg_ys, seg_grads = [], []
         for c in group:
             d_c = self._summed(c, self.pending_of(c))
@@ -605,9 +702,41 @@ class _Rewrite:
                 seg_grads.append(d_c)
         if seg_ys:
             self._segment(seg_ys, seg_grads, [g.op for g in seg_grads], seg_grads[0],
-                          f"segment_{self.region.position[group[0].op]}")
+                          f"segment_{self.region.position[group[0].op]}",
+                          ops if len(seg_ys) == len(group) else None)
 
-    def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label):
+    def _kept_part(self, part):
+        """Differentiates ops that are not recomputed (memsave.backward), as they are,
+        once, with the whole gradient of their outputs: every part sending gradient to
+        them came before. An x among their outputs gets that whole gradient as its
+        result (tf.gradients' answer for an x computed from other xs)."""
+        ends_at, grads = [], []
+        for t in part.ends_at:
+            contributions = self.pending_of(t)
+            if not contributions:
+                continue
+            if self.region.is_x(t):
+                self.totals[t] = self._summed(t, contributions, keep_sparse=True)
+            ends_at.append(t)
+            grads.append(self._summed(t, contributions))
+        if not ends_at:
+            return
+        # tf.gradients answers an x that its op makes beside outputs with a gradient with
+        # zeros, not None: asked for here too, it answers the same.
+        quiet_xs = [t for op in part.ops for t in op.outputs
+                    if self.region.is_x(t) and t not in self.totals]
+        with tf.name_scope("kept"):
+            results = _tf_gradients(ends_at, part.reads + quiet_xs, grad_ys=grads,
+                                    stop_gradients=part.reads + list(self.options.stop),
+                                    **self.options.passed)
+        for t, g in zip(part.reads, results):
+            if g is not None:
+                self._add(t, g)
+        for t, g in zip(quiet_xs, results[len(part.reads):]):
+            if g is not None:
+                self.totals[t] = g
+
+    def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label, ops=None):
         """Copies the ops between `seg_ys` and the checkpoints and differentiates them.
 
         The copies wait for `trigger_ops` (control inputs), or where the plan recomputes
@@ -616,9 +745,9 @@ class _Rewrite:
         inputs and merges equal computations, they read their inputs through a data
         dependency on `trigger` (or the previous segment's) as well (see `_xla_gate`).
         """
-        ops = get_backward_walk_ops([y.op for y in seg_ys], inclusive=True,
-                                    within_ops=self.region.op_set, stop_at_ts=self.checkpoints)
-        local_inputs = self._inputs_to_localise(ops)
+        if ops is None:
+            ops = backward.segment_ops(seg_ys, self.region, self.checkpoints)
+        local_inputs = backward.segment_reads(ops, self.region, self.checkpoints)
         self.triggers.append(trigger_ops)
         self.trigger_tensors.append(trigger)
         wait = -2 if self.ahead and len(self.triggers) > 1 else -1
@@ -772,21 +901,6 @@ class _Rewrite:
         self.report.offloaded.append(t.name)
         return self.offloader.copy_back(t, self.triggers[prefetch_from])
 
-    def _inputs_to_localise(self, ops):
-        """Tensors read by `ops` from outside the segment that carry gradient to the xs:
-        checkpoints, xs, and outputs of path ops that are not recomputable."""
-        members = set(ops)
-        found = TensorSet()
-        for op in ops:
-            for t in op.inputs:
-                if t.op in members or t in found:
-                    continue
-                if t.dtype == tf.resource:
-                    continue  # handles carry no gradient of their own through copies
-                if t in self.checkpoints or self.region.depends_on_xs(t):
-                    found.add(t)
-        return list(found)
-
     @staticmethod
     def _order_after(copy, locals_, trigger_ops):
         """Step 6: the copies wait for `trigger_ops`, through the segment's local inputs
@@ -817,56 +931,29 @@ class _Rewrite:
     def pending_of(self, t):
         return self.pending.get(t, [])
 
-    def _checkpoint_groups(self):
-        """Checkpoints grouped by producing op, in topological order of the ops."""
-        groups = {}
-        for c in self.checkpoints:
-            groups.setdefault(c.op, []).append(c)
-        return [groups[op] for op in sorted(groups, key=self.region.position.__getitem__)]
-
     # -- step 7 ----------------------------------------------------------------------
-    def _add_variable_reads(self, kept, per_x):
+    def _add_variable_reads(self, per_x):
         """Adds the gradient of each read of a variable that is one of the xs to that x's
-        contributions, as tf.gradients does (a read's gradient is the variable's); returns
-        the other kept tensors, whose gradients the final call pushes through their ops.
-        A training step reads thousands of variables: the final call would otherwise
-        build an identity and a gradient op for each."""
+        contributions, as tf.gradients does (a read's gradient is the variable's, sparse
+        where every contribution is: a Keras Embedding reads its whole table and gathers
+        rows). A training step reads thousands of variables: a gradient call per read
+        would build an identity and a gradient op for each."""
         positions = TensorMap()
         for i, x in enumerate(self.xs):
             if x.dtype == tf.resource:
                 positions[x] = positions.get(x, []) + [i]
-        others = []
-        for t in kept:
-            handle = t.op.inputs[0] if t.op.type == "ReadVariableOp" else None
-            if handle is None or handle not in positions:
-                others.append(t)
+        for t in self.pending.keys():
+            if t.op.type != "ReadVariableOp" or t.op.inputs[0] not in positions:
                 continue
-            gradient = self._summed(t, self.pending_of(t))
-            for i in positions[handle]:
+            gradient = self._summed(t, self.pending_of(t), keep_sparse=True)
+            for i in positions[t.op.inputs[0]]:
                 per_x[i].append(gradient)
-        return others
 
     def _gradients_of_xs(self):
         per_x = [list(self.pending_of(x)) for x in self.xs]
-        kept = [t for t in self.pending.keys()
-                if not self.region.is_x(t) and t not in self.checkpoints and t not in self.options.stop]
-        kept = self._add_variable_reads(kept, per_x)
-        # An x computed from another x passes its gradient on to that x (as in
-        # tf.gradients); as a y of the final call its result is its own total.
-        inner_xs = [t for t in self.pending.keys() if self.region.is_x(t)
-                    and t.op in self.region.dependent_x_ops and t not in self.options.stop]
-        if kept or inner_xs:
-            through_kept = _tf_gradients(
-                kept + inner_xs, self.xs,
-                grad_ys=[self._summed(t, self.pending_of(t)) for t in kept + inner_xs],
-                stop_gradients=list(self.options.stop) or None, **self.options.passed)
-            inner = TensorSet(inner_xs)
-            for x, contributions, g in zip(self.xs, per_x, through_kept):
-                if x in inner:
-                    contributions[:] = []
-                if g is not None:
-                    contributions.append(g)
-        result = [self._summed(x, c, keep_sparse=True) for x, c in zip(self.xs, per_x)]
+        self._add_variable_reads(per_x)
+        result = [self.totals[x] if x in self.totals else self._summed(x, c, keep_sparse=True)
+                  for x, c in zip(self.xs, per_x)]
         if self.options.unconnected == tf.UnconnectedGradients.ZERO:
             result = [g if g is not None else _tf_private.zero_gradient_like(x)
                       for g, x in zip(result, self.xs)]

@@ -137,7 +137,7 @@ REFUSED_BY_TF_TOO = [
      r"stop_gradients\[0\] is a float, not a graph tensor"),
     ("unconnected_gradients_unknown",
      lambda g, t: g(t["y"], t["x"], unconnected_gradients="zeros"),
-     r"unconnected_gradients is 'zeros'; expected 'none' or 'zero'"),
+     r"Unknown value for unconnected_gradients: 'zeros'; expected 'none' or 'zero'"),
 ]
 
 # memsave's own arguments: (id, call(t), pattern).
@@ -195,6 +195,30 @@ def test_what_tf_gradients_refuses_is_refused_with_its_exception_type(kind, call
                          ids=[c[0] for c in REFUSED_BY_MEMSAVE])
 def test_bad_memsave_arguments_are_refused_and_the_graph_is_unchanged(kind, call, match):
     assert_refused(kind, lambda gradients, t: call(t), match)
+
+
+# Refusals whose message tf.gradients' callers (TensorFlow's own gradients_test.py) match:
+# memsave's message carries tf.gradients' words, then its own hint.
+TF_WORDS = [
+    ("unconnected_gradients",
+     lambda g, t: g(t["y"], t["x"], unconnected_gradients="nonsense")),
+    ("complex_ys_without_grad_ys",
+     lambda g, t: g(t["complex"], t["x"])),
+]
+
+
+@pytest.mark.parametrize("call", [c[1] for c in TF_WORDS], ids=[c[0] for c in TF_WORDS])
+def test_refusals_carry_tf_gradients_own_words(call):
+    with tf.Graph().as_default():
+        t = _model({"x": tf.compat.v1.placeholder(tf.float32, X.shape, name="x")})
+        t["complex"] = tf.complex(t["c"], t["h"])
+        with pytest.raises(Exception) as tf_info:
+            call(tf.compat.v1.gradients, t)
+        with pytest.raises(memsave.MemsaveError) as info:
+            call(memsave.gradients, t)
+    assert isinstance(info.value, _builtin_type(tf_info.value))
+    assert str(tf_info.value) in str(info.value), (str(tf_info.value), str(info.value))
+    assert str(info.value).startswith("memsave: ")
 
 
 def test_eager_tensors_outside_any_graph():

@@ -24,6 +24,11 @@ def add_control_inputs(op, control_ops):
         op._add_control_inputs(new)
 
 
+def remove_control_inputs(op):
+    """Removes every control input of `op` (in place)."""
+    op._remove_all_control_inputs()
+
+
 def creation_index(op):
     """A number that grows with every op its graph creates: ops made after `op` have
     larger ones."""
@@ -71,6 +76,15 @@ def control_flow_context(op):
     while context is not None and context.IsXLAContext():
         context = context.outer_context
     return context
+
+
+def building_in_control_flow(graph):
+    """Whether ops built in `graph` now go into a v1 control-flow frame (the body of a v1
+    tf.while_loop or tf.cond being built: tf.hessians' loop under TF1 behaviour)."""
+    context = graph._get_control_flow_context()
+    while context is not None and context.IsXLAContext():
+        context = context.outer_context
+    return context is not None
 
 
 def is_func_graph(graph):

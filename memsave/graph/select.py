@@ -326,6 +326,61 @@ def topological_sort(ops):
     return result
 
 
+# A v1 while loop's back edge enters its NextIteration op; cycles through it are the loop.
+_BACK_EDGE_OP_TYPES = frozenset(["NextIteration", "RefNextIteration"])
+
+
+def get_ops_on_cycles(seed_ops):
+    """Ops on a cycle (data and control edges) among the ops reachable forwards from
+    `seed_ops`; v1 while loops' back edges (every edge into a NextIteration) do not count.
+
+    Every cycle through a seed op is found; a graph whose only changes are the seed ops
+    and edges into them is acyclic exactly when this is empty.
+
+    Args:
+      seed_ops: ops or tensors to start from.
+    Returns:
+      A list of ops in discovery order (empty when there is no cycle).
+    """
+    ops = get_forward_walk_ops(seed_ops, inclusive=True, control_outputs=True)
+    members = set(ops)
+
+    def producers(op):
+        if op.type in _BACK_EDGE_OP_TYPES:  # (its data and control inputs close the loop)
+            return []
+        found = [t.op for t in op.inputs] + list(op.control_inputs)
+        return [p for p in _unique_ops(found) if p in members]
+
+    remaining = dict.fromkeys(ops)
+    # Peel ops with no producer left (sources), then ops with no consumer left (sinks):
+    # what stays lies on a cycle or between two.
+    for incoming in (producers, _consumers_within(members, producers)):
+        counts = {op: len(incoming(op)) for op in remaining}
+        ready = collections.deque(op for op in remaining if counts[op] == 0)
+        outgoing = collections.defaultdict(list)
+        for op in remaining:
+            for p in incoming(op):
+                if p in remaining:
+                    outgoing[p].append(op)
+        while ready:
+            op = ready.popleft()
+            del remaining[op]
+            for c in outgoing[op]:
+                counts[c] -= 1
+                if counts[c] == 0 and c in remaining:
+                    ready.append(c)
+    return list(remaining)
+
+
+def _consumers_within(members, producers):
+    """`consumers(op)`: the ops of `members` for which `op` is one of `producers(c)`."""
+    consumers = collections.defaultdict(list)
+    for op in members:
+        for p in producers(op):
+            consumers[p].append(op)
+    return lambda op: consumers[op]
+
+
 def filter_ops(ops, positive_filter):
     """Ops of `ops` (or of a graph) for which `positive_filter(op)` is true.
 

@@ -75,6 +75,9 @@ class StepGraph:
         (memsave.planner.custom_gradients), or, where that fails, it reads everything.
         An op none of whose outputs gets a gradient (a custom gradient's forward ops)
         has none: its grad_reads, grad_inputs and grad_temporaries are empty.
+      kept_op_inputs: ids of the region tensors that ops which are not recomputed read
+        (floating or complex, not ys): every plan keeps them, so that such an op's
+        gradient is taken once, with its whole gradient (memsave.backward).
       small: ids of the region tensors of known size no larger than that: cheaper to
         keep from the forward pass than to recompute, a segment's gradients read them
         as the forward pass made them (segments.ForwardReads), e.g. a batch norm's
@@ -100,6 +103,7 @@ class StepGraph:
         self.largest_bytes = 0
         self.small_bytes = 0
         self.small = frozenset()
+        self.kept_op_inputs = []
         self.costs = costs.active()
 
     @classmethod
@@ -131,6 +135,7 @@ class StepGraph:
         step.small = frozenset(t for t in region_tensors if step.size[t] <= step.small_bytes
                                and (step.tensors[t].shape.is_fully_defined()
                                     or t in step.workspaces))
+        step.kept_op_inputs = step._kept_op_inputs()
         if defer:
             step._find_deferred()
         return step
@@ -321,6 +326,18 @@ class StepGraph:
         return (self.kind[producer] == KEPT and bool(self.inputs[producer])
                 and all(self.kind[self.producer[t]] == RESIDENT
                         for t in self.inputs[producer]))
+
+    def _kept_op_inputs(self):
+        found = set()
+        for op, kind in enumerate(self.kind):
+            if kind != KEPT:
+                continue
+            for tid in self.inputs[op]:
+                dtype = self.tensors[tid].dtype
+                if (self.kind[self.producer[tid]] == REGION and not self.is_y[tid]
+                        and (dtype.is_floating or dtype.is_complex)):
+                    found.add(tid)
+        return sorted(found)
 
     # -- queries -----------------------------------------------------------------------
     def buffer_of(self, tid):

@@ -469,6 +469,8 @@ class MemoryModel:
         for index in range(len(order)):
             if offloaded:  # (a step of its own only then: plain predictions stay as they were)
                 starts.append(timeline.step(("segment", None, index)))
+            for op in self._backward_order(segmentation.kept_before.get(index, [])):
+                self._gradient_step(op, forward, gradients, timeline, ("kept", op, index))
             recompute_through(index + 1 if ahead else index)
             view = _Overlay(recomputed[index], forward, segmentation.reads_forward)
             recomputed[index] = None
@@ -574,6 +576,8 @@ class MemoryModel:
             return f"forward pass, at {name}"
         if phase == "final":
             return f"gradients through ops that are not recomputed, at {name}"
+        if phase == "kept":
+            return f"gradient of {name}, which is not recomputed"
         if phase == "deferred":
             return f"weight gradients made after the last segment, at {name}"
         if segmentation is None or index is None:

@@ -21,7 +21,7 @@ This is the one place that decides segments: the memory model simulates them
 and the rewrite (memsave.rewrite) builds them.
 """
 
-from memsave.planner.graph import KEPT, REGION
+from memsave.planner.graph import KEPT, REGION, RESIDENT
 
 LAST = -1       # the segment that ends at the ys
 _SEVERAL = -2   # read by more than one segment
@@ -60,13 +60,19 @@ class Segmentation:
     """The segments of one plan over a StepGraph.
 
     Attributes:
-      checkpoints: tensor ids kept (the plan's, plus `shared`).
+      checkpoints: tensor ids kept (the plan's, plus `forced` and `shared`).
+      forced: tensor ids added because ops that are not recomputed read them
+        (StepGraph.kept_op_inputs).
       shared: tensor ids added because several segments read them.
       segment_of: region op id -> the head op of its segment (LAST for the last).
       order: segment heads in the order the backward pass runs them (LAST first).
       ops: head -> region op ids of that segment, producers first.
-      final_ops: path op ids differentiated by the final call through the original
-        ops (ops that are not recomputed, and what their gradients reach).
+      kept_before: segment index -> ids of the ops that are not recomputed (and read
+        more than the step's inputs) whose gradients the rewrite takes before that
+        segment's: those later in the forward pass than the segment's head
+        (memsave.backward orders them so).
+      final_ops: op ids whose gradients come after every segment's: the other ops
+        that are not recomputed (reads of variables), and region ops no segment holds.
       reads_forward: the plan's ForwardReads: its `read_checkpoints` says whether
         segments' gradients read the checkpoints as the forward pass made them (else
         from their recomputed copies), but for those `offloaded` to host memory.
@@ -75,6 +81,8 @@ class Segmentation:
     def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
         self.graph = graph
         self.checkpoints = set(checkpoints)
+        self.forced = [t for t in graph.kept_op_inputs if t not in self.checkpoints]
+        self.checkpoints.update(self.forced)
         self.reads_forward = ForwardReads(graph, self.checkpoints, offloaded, read_checkpoints)
         self.shared = []
         self.segment_of = {}
@@ -89,7 +97,7 @@ class Segmentation:
                 self.ops.setdefault(head, []).append(op)
         heads = sorted((h for h in self.ops if h != LAST), reverse=True)
         self.order = ([LAST] if LAST in self.ops else []) + heads
-        self.final_ops = self._final_ops(loose)
+        self.kept_before, self.final_ops = self._kept_ops_in_order(loose)
         self._executed = {}
 
     def _assign(self):
@@ -119,19 +127,24 @@ class Segmentation:
                 need = _merge(need, self.segment_of.get(consumer))
         return need
 
-    def _final_ops(self, loose):
-        """Ops not recomputed and the region ops their gradients reach, producers first."""
+    def _kept_ops_in_order(self, loose):
+        """(kept_before, final_ops): where the gradients of the ops that are not
+        recomputed come in the backward pass."""
         graph = self.graph
-        final = set(loose) | {op for op, kind in enumerate(graph.kind) if kind == KEPT}
-        stack = [op for op, kind in enumerate(graph.kind) if kind == KEPT]
-        while stack:
-            op = stack.pop()
-            for tid, _ in graph.grad_inputs[op]:
-                producer = graph.producer[tid]
-                if graph.kind[producer] == REGION and producer not in final:
-                    final.add(producer)
-                    stack.append(producer)
-        return sorted(final)
+        kept_before, final = {}, list(loose)
+        heads = [h for h in self.order if h != LAST]
+        for op, kind in enumerate(graph.kind):
+            if kind != KEPT:
+                continue
+            if all(graph.kind[graph.producer[t]] == RESIDENT for t in graph.inputs[op]):
+                final.append(op)
+                continue
+            index = next((i for i, head in enumerate(heads) if head < op), None)
+            if index is None:
+                final.append(op)
+            else:
+                kept_before.setdefault(index + (LAST in self.ops), []).append(op)
+        return kept_before, sorted(final)
 
     def executed(self, head):
         """Region op ids of segment `head` whose copies run: those whose outputs some

@@ -1,0 +1,172 @@
+"""Every gradient function is called once, with its whole incoming gradient (issue 26).
+
+tf.gradients calls each op's gradient function once, with the sum of the gradients
+reaching the op. A gradient that is not linear in that sum (clipping) is wrong when
+called once per part and added: clip(a) + clip(b) != clip(a + b). These graphs put
+such an op in front of both a recomputed segment and an op memsave keeps whole (a
+cond, a while loop, a stateful op), in float64, and count the calls.
+
+The memory model builds each custom gradient once in a scratch graph that is never
+run (memsave.planner.custom_gradients); calls made there are counted apart.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+
+from _gradcheck import assert_same_gradients, evaluate
+
+KINDS = ["v1", "function"]
+X = np.linspace(0.3, 1.2, 6).reshape(2, 3)
+STRATEGIES = ["list", "memory", "speed", "budget"]
+
+
+class Calls:
+    """Counts a gradient function's calls by the graph they build into, telling the
+    memory model's scratch probes (memsave_probe_*) apart."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def record(self, dy):
+        self.graphs.append(dy.graph)
+
+    def in_step(self):
+        return sum(1 for g in self.graphs if not getattr(g, "name", "").startswith("memsave_probe"))
+
+    def probes(self):
+        return len(self.graphs) - self.in_step()
+
+
+def _clipped_square(calls):
+    @tf.custom_gradient
+    def clipped_square(t):
+        def grad(dy):
+            calls.record(dy)
+            return tf.clip_by_value(dy * 2.0 * t, -3.0, 3.0)
+        return t * t, grad
+    return clipped_square
+
+
+def _kept(kind, t, x):
+    """An op memsave keeps whole, reading t."""
+    if kind == "cond":
+        return tf.compat.v1.cond(x[0, 0] > -100.0, lambda: t * 2.0, lambda: t * 3.0)
+    if kind == "while":
+        return tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, a * 2.0), [0, t])[1]
+    if kind == "stateful":  # Print is stateful, and passes its gradient through
+        return tf.compat.v1.Print(t, [tf.reduce_sum(t)], message="memsave test: ") * 2.0
+    raise ValueError(kind)
+
+
+def _checkpoints(strategy, u):
+    return {"list": [u], "memory": "memory", "speed": "speed",
+            "budget": memsave.budget(0.99)}[strategy]
+
+
+def _clipping_step(graph_kind, kept_kind, strategy):
+    """(tf.gradients' value, memsave's, calls by tf.gradients, calls by memsave)."""
+    counts = {}
+
+    def body(graph, inputs):
+        x = inputs["x"]
+        calls = Calls()
+        t = _clipped_square(calls)(x)
+        w = tf.constant(np.linspace(-1.0, 1.0, 9).reshape(3, 3))
+        u = tf.tanh(tf.matmul(t, w), name="u")  # a checkpoint ('speed': the matmul): t
+        # feeds a recomputed segment...
+        h = _kept(kept_kind, t, x)  # ...and an op memsave keeps whole
+        y = tf.reduce_sum(u) + tf.reduce_sum(h)
+        reference = tf.compat.v1.gradients(y, x)
+        counts["tf"] = calls.in_step()
+        with memsave.always_rewrite():
+            got = memsave.gradients(y, x, checkpoints=_checkpoints(strategy, u))
+        counts["memsave"] = calls.in_step() - counts["tf"]
+        counts["probes"] = calls.probes()
+        counts["rewritten"] = memsave.last_report().fallback is None
+        return reference + got
+
+    expected, got = evaluate(graph_kind, body, {"x": X})
+    return expected, got, counts
+
+
+@pytest.mark.parametrize("graph_kind", KINDS)
+@pytest.mark.parametrize("kept_kind", ["cond", "while", "stateful"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_clipping_custom_gradient_is_called_once_with_its_whole_gradient(
+        graph_kind, kept_kind, strategy):
+    expected, got, counts = _clipping_step(graph_kind, kept_kind, strategy)
+    assert counts["rewritten"], "the rewrite was not built"
+    assert counts["tf"] == 1
+    assert counts["memsave"] == counts["tf"], counts
+    assert counts["probes"] <= 1, counts
+    # The clip bites: the two parts of the gradient give a value 35% off.
+    assert_same_gradients([expected], [got], rtol=1e-12, label=f"{graph_kind}/{kept_kind}")
+
+
+@tf.RegisterGradient("MemsaveTestClippedSquare")
+def _clipped_square_gradient(op, dy):
+    _OVERRIDE_CALLS.record(dy)
+    return tf.clip_by_value(dy * 2.0 * op.inputs[0], -3.0, 3.0)
+
+
+_OVERRIDE_CALLS = Calls()
+
+
+@pytest.mark.parametrize("graph_kind", KINDS)
+@pytest.mark.parametrize("kept_kind", ["cond", "while"])
+def test_an_overridden_registered_gradient_is_called_once(graph_kind, kept_kind):
+    _OVERRIDE_CALLS.graphs.clear()
+
+    def body(graph, inputs):
+        x = inputs["x"]
+        with graph.gradient_override_map({"Square": "MemsaveTestClippedSquare"}):
+            t = tf.square(x)
+        u = tf.tanh(t)
+        y = tf.reduce_sum(u) + tf.reduce_sum(_kept(kept_kind, t, x))
+        reference = tf.compat.v1.gradients(y, x)
+        before = _OVERRIDE_CALLS.in_step()
+        with memsave.always_rewrite():
+            got = memsave.gradients(y, x, checkpoints=[u])
+        assert _OVERRIDE_CALLS.in_step() - before == before == 1
+        return reference + got
+
+    expected, got = evaluate(graph_kind, body, {"x": X})
+    assert_same_gradients([expected], [got], rtol=1e-12)
+
+
+def test_inputs_of_kept_ops_become_checkpoints_with_their_reason():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float64, [2, 3])
+        t = tf.sin(x, name="t")
+        u = tf.tanh(t, name="u")
+        h = _kept("cond", t, x)
+        y = tf.reduce_sum(u) + tf.reduce_sum(h)
+        report = memsave.plan(y, x, checkpoints=[u])
+    reasons = {c.name: c.reason for c in report.checkpoints}
+    assert "t:0" in reasons, reasons
+    assert "not recomputed" in reasons["t:0"], reasons
+
+
+def test_a_kept_op_reading_a_y_whose_output_the_last_segment_reads_falls_back():
+    """A y read by a cond whose result feeds another y through the last segment: no
+    order gives both their whole gradient, so plain tf.gradients answers, exactly."""
+    def body(graph, inputs):
+        x = inputs["x"]
+        calls = Calls()
+        t = _clipped_square(calls)(x)
+        a = tf.tanh(t, name="a")
+        h = _kept("cond", a, x)
+        b = tf.sin(h) * a
+        reference = tf.compat.v1.gradients([a, b], x)
+        with memsave.always_rewrite():
+            got = memsave.gradients([a, b], x, checkpoints=[t])
+        report = memsave.last_report()
+        assert report.fallback is None or "plain tf.gradients" in report.fallback
+        return reference + got
+
+    expected, got = evaluate("v1", body, {"x": X})
+    assert_same_gradients([expected], [got], rtol=1e-12)
