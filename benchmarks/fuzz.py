@@ -15,7 +15,8 @@ control flow) and tf.function bodies.
 Every strategy is built with the rewrite forced (memsave.always_rewrite()): 'memory',
 'speed', 'collection', random checkpoint lists (with xs, ys and tensors off the
 path among them), and budgets. A graph passes when every gradient equals
-tf.gradients' (relative error <= 1e-12, memsave's tests' measure), IndexedSlices
+tf.gradients' (relative error <= 1e-12, memsave's tests' measure, or absolute error
+<= 1e-13 for rounding noise of gradients that are zero in exact arithmetic), IndexedSlices
 stay IndexedSlices, no stateful op is copied and every custom gradient function is
 called as often as tf.gradients calls it (the memory model's scratch probes
 aside). A budget no plan meets is refused with a MemsaveError and counted apart.
@@ -47,6 +48,10 @@ for _path in (REPO_ROOT, REPO_ROOT / "tests"):
 
 BATCH, WIDTH, VOCAB = 4, 6, 10
 RTOL = 1e-12
+# Absolute errors this small pass: float64 rounding noise of gradients that are zero in
+# exact arithmetic (the gradient of a sum of batch-normalised values), whose summation
+# order Grappler may change; a wrong rewrite is off by orders of magnitude more.
+ATOL = 1e-13
 GRAPH_KINDS = ("v1", "v1_control_flow", "function")
 UNARY = ("tanh", "sin", "sigmoid", "softplus", "square", "scale", "stop_gradient", "softmax",
          "dropout", "stateless_dropout", "moments", "clip_custom", "normalise_custom")
@@ -348,7 +353,7 @@ def check(spec):
         if label == "tf":
             continue
         try:
-            assert_same_gradients(values["tf"], got, rtol=RTOL, label=label)
+            assert_same_gradients(values["tf"], got, rtol=RTOL, label=label, atol=ATOL)
         except AssertionError as error:
             problems.append(str(error))
         if sparse[label] != sparse["tf"]:

@@ -14,8 +14,9 @@ call (a `Part`):
   stateful op; the ops of one v1 control-flow construct together, whose gradients
   must be built in one call), differentiated once, as they are, with the whole
   gradient of their outputs.
-Every tensor a kept part reads from the region is a checkpoint (StepGraph.kept_op_inputs,
-added to every plan), so no segment needs a gradient in its middle.
+Every tensor a kept part reads from the region, and every y that region ops read, is a
+checkpoint (StepGraph.boundaries, added to every plan), so no segment needs a gradient
+in its middle; a y's gradient starts as its grad_y.
 
 `backward_order` orders the parts so that each is differentiated only once every
 part sending gradient to what it needs has been: then each receives its whole
@@ -104,8 +105,8 @@ def segment_reads(ops, region, checkpoints):
 
 def kept_groups(region, skip):
     """The ops the rewrite keeps whole, in groups differentiated together: each op alone,
-    but ops of v1 control flow with the kept ops they read or feed (their gradients are
-    built in one call). Ops for which `skip(op)` holds are left out. Groups are lists of
+    but the connected ops of one v1 control-flow construct (a cond's Switch, branch ops
+    and Merge; a loop's frame) together, whose gradients tf.gradients builds in one call. Ops for which `skip(op)` holds are left out. Groups are lists of
     ops in the region's order of kept ops."""
     ops = [op for op, _ in region.kept_ops if not skip(op)]
     index = {op: i for i, op in enumerate(ops)}
@@ -120,7 +121,7 @@ def kept_groups(region, skip):
     for i, op in enumerate(ops):
         for t in op.inputs:
             j = index.get(t.op)
-            if j is not None and (_is_v1_control_flow(op) or _is_v1_control_flow(t.op)):
+            if j is not None and _is_v1_control_flow(op) and _is_v1_control_flow(t.op):
                 parent[root(i)] = root(j)
     groups = {}
     for i, op in enumerate(ops):
@@ -236,7 +237,7 @@ def parts_of(region, ys, checkpoints, checkpoint_groups, position_of, skip_kept)
       A list of Parts.
     """
     parts = []
-    inside = [y for y in ys if y.op in region]
+    inside = [y for y in ys if y.op in region and y not in checkpoints]
     if inside:
         ops = segment_ops(inside, region, checkpoints)
         parts.append(Part(SEGMENT, inside, ops, segment_reads(ops, region, checkpoints),

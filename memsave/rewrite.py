@@ -581,7 +581,8 @@ def _with_shared_tensors(kept, region):
         return kept
     graph = planner.model_of(region).graph
     segmentation = Segmentation(graph, [graph.id_of(c.tensor) for c in kept])
-    added = [Choice(graph.tensors[t], _READ_BY_KEPT_OP) for t in segmentation.forced]
+    added = [Choice(graph.tensors[t], _Y_READ_BY_REGION if graph.is_y[t] else _READ_BY_KEPT_OP)
+             for t in segmentation.forced]
     added += [Choice(graph.tensors[t], "read by several segments: kept so it is recomputed "
                      "once") for t in segmentation.shared]
     if not added:
@@ -595,6 +596,8 @@ def _with_shared_tensors(kept, region):
 
 _READ_BY_KEPT_OP = ("read by an op that is not recomputed (control flow, a stateful op): a "
                     "segment ends there, so that op's gradient is taken once")
+_Y_READ_BY_REGION = ("one of the ys, read by recomputed ops: a segment ends there, so the ops "
+                     "making it are differentiated once")
 
 
 def _no_checkpoints_message(strategy_name, region):
@@ -651,7 +654,7 @@ class _Rewrite:
         self.order_backward = report.orders_backward
 
     def run(self):
-        self._seed_ys_outside_the_region()
+        self._seed_ys_outside_the_last_segment()
         for part in self.parts:
             if part.kind == backward.KEPT:
                 self._kept_part(part)
@@ -665,19 +668,19 @@ class _Rewrite:
         return result
 
     # -- steps 4 and 5 -----------------------------------------------------------
-    def _seed_ys_outside_the_region(self):
-        """The gradients of the ys that no segment ends at (made by an op that is not
-        recomputed, or xs) start as their grad_ys."""
+    def _seed_ys_outside_the_last_segment(self):
+        """The gradients of the ys the last segment does not end at (made by an op that is
+        not recomputed, xs, and checkpoints) start as their grad_ys."""
         grad_ys = self.grad_ys or [None] * len(self.ys)
         for y, g in zip(self.ys, grad_ys):
-            if y.op not in self.region and self.region.depends_on_xs(y):
+            if (y.op not in self.region or y in self.checkpoints) and self.region.depends_on_xs(y):
                 self._add(y, g if g is not None else tf.ones_like(y))
 
     def _last_segment(self, ops):
         grad_ys = self.grad_ys or [None] * len(self.ys)
         seg_ys, seg_grads, seen = [], [], TensorSet()
         for y, g in zip(self.ys, grad_ys):
-            if y.op not in self.region:
+            if y.op not in self.region or y in self.checkpoints:
                 continue
             # A y that an op that is not recomputed reads gets that op's gradient too
             # (once, however often the y is listed).

@@ -151,9 +151,9 @@ def test_inputs_of_kept_ops_become_checkpoints_with_their_reason():
     assert "not recomputed" in reasons["t:0"], reasons
 
 
-def test_a_kept_op_reading_a_y_whose_output_the_last_segment_reads_falls_back():
-    """A y read by a cond whose result feeds another y through the last segment: no
-    order gives both their whole gradient, so plain tf.gradients answers, exactly."""
+def test_a_kept_op_reading_a_y_whose_result_feeds_another_y():
+    """ys a and b = f(cond(a), a): a is read by a kept op and by recomputed ops, so a
+    segment ends at it (its gradient: its own 1 plus what comes back from b)."""
     def body(graph, inputs):
         x = inputs["x"]
         calls = Calls()
@@ -165,8 +165,35 @@ def test_a_kept_op_reading_a_y_whose_output_the_last_segment_reads_falls_back():
         with memsave.always_rewrite():
             got = memsave.gradients([a, b], x, checkpoints=[t])
         report = memsave.last_report()
-        assert report.fallback is None or "plain tf.gradients" in report.fallback
+        assert report.fallback is None, report.fallback
+        reasons = {c.name: c.reason for c in report.checkpoints}
+        assert "one of the ys" in reasons["a:0"], reasons
+        assert calls.in_step() == 2
         return reference + got
 
     expected, got = evaluate("v1", body, {"x": X})
+    assert_same_gradients([expected], [got], rtol=1e-12)
+
+
+@pytest.mark.parametrize("graph_kind", KINDS)
+def test_a_y_read_by_a_later_segment_is_differentiated_once(graph_kind):
+    """ys [t, conv(t)] with t a clipping custom gradient's output and the convolution a
+    checkpoint ('speed'): t's op was copied by both segments (found by benchmarks/fuzz.py,
+    seed 1090)."""
+    def body(graph, inputs):
+        x = inputs["x"]
+        calls = Calls()
+        t = _clipped_square(calls)(tf.sin(x))
+        image = tf.reshape(t, [2, 3, 1, 1])
+        conv = tf.reshape(tf.nn.conv2d(image, tf.constant([[[[0.7]]]], tf.float64), 1, "SAME"),
+                          [2, 3])
+        ys = [t, conv * conv]
+        reference = tf.compat.v1.gradients(ys, x)
+        with memsave.always_rewrite():
+            got = memsave.gradients(ys, x, checkpoints="speed")
+        assert memsave.last_report().fallback is None
+        assert calls.in_step() == 2, calls.in_step()
+        return reference + got
+
+    expected, got = evaluate(graph_kind, body, {"x": X})
     assert_same_gradients([expected], [got], rtol=1e-12)

@@ -75,9 +75,11 @@ class StepGraph:
         (memsave.planner.custom_gradients), or, where that fails, it reads everything.
         An op none of whose outputs gets a gradient (a custom gradient's forward ops)
         has none: its grad_reads, grad_inputs and grad_temporaries are empty.
-      kept_op_inputs: ids of the region tensors that ops which are not recomputed read
-        (floating or complex, not ys): every plan keeps them, so that such an op's
-        gradient is taken once, with its whole gradient (memsave.backward).
+      boundaries: ids of the region tensors every plan keeps (segments end there), so
+        that each op's gradient is taken once, with its whole gradient (memsave.backward):
+        those that ops which are not recomputed read (floating or complex), and ys that
+        region ops read (a y upstream of another: its gradient is its grad_y plus what
+        comes back from the later one).
       small: ids of the region tensors of known size no larger than that: cheaper to
         keep from the forward pass than to recompute, a segment's gradients read them
         as the forward pass made them (segments.ForwardReads), e.g. a batch norm's
@@ -103,7 +105,7 @@ class StepGraph:
         self.largest_bytes = 0
         self.small_bytes = 0
         self.small = frozenset()
-        self.kept_op_inputs = []
+        self.boundaries = []
         self.costs = costs.active()
 
     @classmethod
@@ -135,7 +137,7 @@ class StepGraph:
         step.small = frozenset(t for t in region_tensors if step.size[t] <= step.small_bytes
                                and (step.tensors[t].shape.is_fully_defined()
                                     or t in step.workspaces))
-        step.kept_op_inputs = step._kept_op_inputs()
+        step.boundaries = step._boundaries()
         if defer:
             step._find_deferred()
         return step
@@ -319,22 +321,25 @@ class StepGraph:
 
     def _leaves_graph(self, tid):
         """Whether the gradient of `tid` is read by nothing but the step's result: `tid`
-        is an x, or a variable's value read by an op that is not recomputed."""
-        if self.is_x[tid]:
-            return True
+        is an x (but one computed from other xs, whose op the rewrite differentiates
+        further with that gradient, memsave.backward), or a variable's value read by an
+        op that is not recomputed."""
         producer = self.producer[tid]
+        if self.is_x[tid]:
+            return self.kind[producer] != KEPT
         return (self.kind[producer] == KEPT and bool(self.inputs[producer])
                 and all(self.kind[self.producer[t]] == RESIDENT
                         for t in self.inputs[producer]))
 
-    def _kept_op_inputs(self):
+    def _boundaries(self):
         found = set()
         for op, kind in enumerate(self.kind):
-            if kind != KEPT:
+            if kind not in (REGION, KEPT):
                 continue
             for tid in self.inputs[op]:
                 dtype = self.tensors[tid].dtype
-                if (self.kind[self.producer[tid]] == REGION and not self.is_y[tid]
+                if (self.kind[self.producer[tid]] == REGION
+                        and (kind == KEPT or self.is_y[tid])
                         and (dtype.is_floating or dtype.is_complex)):
                     found.add(tid)
         return sorted(found)

@@ -61,8 +61,9 @@ class Segmentation:
 
     Attributes:
       checkpoints: tensor ids kept (the plan's, plus `forced` and `shared`).
-      forced: tensor ids added because ops that are not recomputed read them
-        (StepGraph.kept_op_inputs).
+      forced: tensor ids added because every plan ends segments there
+        (StepGraph.boundaries: read by ops that are not recomputed, or ys read by region
+        ops).
       shared: tensor ids added because several segments read them.
       segment_of: region op id -> the head op of its segment (LAST for the last).
       order: segment heads in the order the backward pass runs them (LAST first).
@@ -81,7 +82,7 @@ class Segmentation:
     def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
         self.graph = graph
         self.checkpoints = set(checkpoints)
-        self.forced = [t for t in graph.kept_op_inputs if t not in self.checkpoints]
+        self.forced = [t for t in graph.boundaries if t not in self.checkpoints]
         self.checkpoints.update(self.forced)
         self.reads_forward = ForwardReads(graph, self.checkpoints, offloaded, read_checkpoints)
         self.shared = []
