@@ -5,7 +5,7 @@ many op kinds: elementwise ops, broadcasting, matmuls and convolutions (weights
 among the xs or not), batch-norm moments, softmax, seeded dropout (stateful: never
 recomputed differently) and stateless dropout, embedding gathers (a variable read
 whole then gathered, as a Keras Embedding does, a resource gather, or a computed
-table), `tf.cond`, `tf.while_loop`, `tf.custom_gradient`s that are not linear in
+table), `tf.cond`, `tf.while_loop`, an RNN over TensorArrays, `tf.custom_gradient`s that are not linear in
 their incoming gradient (clipping, normalising), concatenation with split, long
 skips, stop_gradient; several ys (scalar or not) with or without grad_ys,
 stop_gradients, an intermediate x. Everything is float64, so rounding cannot hide
@@ -56,7 +56,7 @@ GRAPH_KINDS = ("v1", "v1_control_flow", "function")
 UNARY = ("tanh", "sin", "sigmoid", "softplus", "square", "scale", "stop_gradient", "softmax",
          "dropout", "stateless_dropout", "moments", "clip_custom", "normalise_custom")
 BINARY = ("add", "sub", "mul", "residual", "broadcast", "cond")
-OTHER = ("matmul", "conv", "concat_split", "gather", "while")
+OTHER = ("matmul", "conv", "concat_split", "gather", "while", "tensor_array")
 
 
 # -- drawing a graph --------------------------------------------------------------------------
@@ -86,8 +86,8 @@ def random_spec(seed):
             elif op == "gather":
                 nodes.append(["gather", [earlier()], str(rng.choice(["read", "resource", "tensor"])),
                               bool(rng.rand() < 0.5)])
-            elif op == "while":
-                nodes.append(["while", [earlier(), earlier()], int(rng.randint(1, 4))])
+            elif op in ("while", "tensor_array"):
+                nodes.append([op, [earlier(), earlier()], int(rng.randint(1, 4))])
             else:
                 nodes.append([op, [earlier()], int(rng.randint(0, 2))])
     last = len(nodes) - 1
@@ -236,7 +236,22 @@ class _Builder:
             steps = node[2]
             return tf.while_loop(lambda i, c: i < steps,
                                  lambda i, c: (i + 1, tf.tanh(0.9 * c + 0.1 * b)), [0, a])[1]
+        if op == "tensor_array":  # an RNN over the rows: unstack, loop, stack
+            return self._rnn(a, b)
         raise AssertionError(op)
+
+    def _rnn(self, a, b):
+        tf = self.tf
+        steps = tf.TensorArray(tf.float64, size=BATCH).unstack(a)
+
+        def body(t, state, outputs):
+            state = tf.tanh(0.9 * state + steps.read(t) * b[0])
+            return t + 1, state, outputs.write(t, state)
+
+        _, _, outputs = tf.while_loop(
+            lambda t, *_: t < BATCH, body,
+            (0, tf.zeros([WIDTH], tf.float64), tf.TensorArray(tf.float64, size=BATCH)))
+        return outputs.stack()
 
     def _gather(self, a, table_kind, ids_from_data):
         tf = self.tf

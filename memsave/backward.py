@@ -40,6 +40,14 @@ _V1_CONTROL_FLOW_OP_TYPES = frozenset([
     "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
 ])
 
+# v1 TensorArray ops: their gradients meet through a gradient TensorArray that each
+# tf.gradients call names after itself, so the ops writing one and the ops reading it
+# (a loop and the unstack or stack around it) must be differentiated in one call.
+_TENSOR_ARRAY_OP_TYPES = frozenset(
+    f"TensorArray{verb}{version}" for version in ("V2", "V3")
+    for verb in ("", "Write", "Read", "Scatter", "Gather", "Split", "Concat", "Size", "Grad",
+                 "GradWithShape", "Close", "Pack", "Unpack"))
+
 SEGMENT = "segment"
 KEPT = "kept"
 
@@ -76,9 +84,11 @@ class Part:
 
 
 def differentiable(t):
-    """Whether a gradient can flow into `t`: floating or complex values, or a variable
-    handle (whose gradient is its variable's)."""
-    return t.dtype.is_floating or t.dtype.is_complex or t.dtype == tf.resource
+    """Whether a gradient can flow into `t`: floating or complex values, a variable
+    handle (whose gradient is its variable's), or a variant (a TensorList's gradient is
+    one: a loop's accumulated outputs)."""
+    return (t.dtype.is_floating or t.dtype.is_complex
+            or t.dtype in (tf.resource, tf.variant))
 
 
 def segment_ops(ends_at, region, checkpoints):
@@ -106,7 +116,8 @@ def segment_reads(ops, region, checkpoints):
 def kept_groups(region, skip):
     """The ops the rewrite keeps whole, in groups differentiated together: each op alone,
     but the connected ops of one v1 control-flow construct (a cond's Switch, branch ops
-    and Merge; a loop's frame) together, whose gradients tf.gradients builds in one call. Ops for which `skip(op)` holds are left out. Groups are lists of
+    and Merge; a loop's frame) and the v1 TensorArray ops around it together, whose
+    gradients tf.gradients builds in one call. Ops for which `skip(op)` holds are left out. Groups are lists of
     ops in the region's order of kept ops."""
     ops = [op for op, _ in region.kept_ops if not skip(op)]
     index = {op: i for i, op in enumerate(ops)}
@@ -121,7 +132,7 @@ def kept_groups(region, skip):
     for i, op in enumerate(ops):
         for t in op.inputs:
             j = index.get(t.op)
-            if j is not None and _is_v1_control_flow(op) and _is_v1_control_flow(t.op):
+            if j is not None and _differentiated_together(op) and _differentiated_together(t.op):
                 parent[root(i)] = root(j)
     groups = {}
     for i, op in enumerate(ops):
@@ -129,8 +140,10 @@ def kept_groups(region, skip):
     return [groups[r] for r in sorted(groups)]
 
 
-def _is_v1_control_flow(op):
-    return (op.type in _V1_CONTROL_FLOW_OP_TYPES
+def _differentiated_together(op):
+    """Whether `op` is part of a v1 control-flow construct or a v1 TensorArray, whose
+    gradients tf.gradients builds together with those of the ops it is connected to."""
+    return (op.type in _V1_CONTROL_FLOW_OP_TYPES or op.type in _TENSOR_ARRAY_OP_TYPES
             or _tf_private.control_flow_context(op) is not None)
 
 

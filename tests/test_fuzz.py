@@ -47,7 +47,8 @@ def test_the_generator_draws_every_op_kind_and_graph_kind():
         spec = fuzz.random_spec(seed)
         kinds.add(spec["kind"])
         ops.update(node[0] for node in spec["nodes"])
-    expected = set(fuzz.UNARY) | set(fuzz.BINARY) | {"matmul", "conv", "split0", "gather", "while"}
+    expected = set(fuzz.UNARY) | set(fuzz.BINARY) | {"matmul", "conv", "split0", "gather", "while",
+                                                         "tensor_array"}
     assert expected <= ops, expected - ops
     assert kinds == set(fuzz.GRAPH_KINDS)
 

@@ -77,7 +77,8 @@ class StepGraph:
         has none: its grad_reads, grad_inputs and grad_temporaries are empty.
       boundaries: ids of the region tensors every plan keeps (segments end there), so
         that each op's gradient is taken once, with its whole gradient (memsave.backward):
-        those that ops which are not recomputed read (floating or complex), and ys that
+        those that ops which are not recomputed read (floating, complex or variant: a
+        TensorList), and ys that
         region ops read (a y upstream of another: its gradient is its grad_y plus what
         comes back from the later one).
       small: ids of the region tensors of known size no larger than that: cheaper to
@@ -340,7 +341,7 @@ class StepGraph:
                 dtype = self.tensors[tid].dtype
                 if (self.kind[self.producer[tid]] == REGION
                         and (kind == KEPT or self.is_y[tid])
-                        and (dtype.is_floating or dtype.is_complex)):
+                        and (dtype.is_floating or dtype.is_complex or dtype == tf.variant)):
                     found.add(tid)
         return sorted(found)
 
