@@ -32,13 +32,7 @@ import tensorflow as tf
 
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorSet, get_backward_walk_ops
-
-# Op types of v1 control flow: an op of these, or in a v1 control-flow context, is
-# differentiated together with the kept ops it is connected to.
-_V1_CONTROL_FLOW_OP_TYPES = frozenset([
-    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
-    "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
-])
+from memsave.region import V1_CONTROL_FLOW_OP_TYPES
 
 # v1 TensorArray ops: their gradients meet through a gradient TensorArray that each
 # tf.gradients call names after itself, so the ops writing one and the ops reading it
@@ -143,7 +137,7 @@ def kept_groups(region, skip):
 def _differentiated_together(op):
     """Whether `op` is part of a v1 control-flow construct or a v1 TensorArray, whose
     gradients tf.gradients builds together with those of the ops it is connected to."""
-    return (op.type in _V1_CONTROL_FLOW_OP_TYPES or op.type in _TENSOR_ARRAY_OP_TYPES
+    return (op.type in V1_CONTROL_FLOW_OP_TYPES or op.type in _TENSOR_ARRAY_OP_TYPES
             or _tf_private.control_flow_context(op) is not None)
 
 

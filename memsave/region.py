@@ -21,13 +21,14 @@ logger = logging.getLogger(__name__)
 
 # Functional control flow and function calls: their bodies live in the function
 # library and their gradients rely on Python-side state of the original op.
-CONTROL_FLOW_OP_TYPES = frozenset([
-    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
-    "PartitionedCall", "StatefulPartitionedCall",
-    # v1 control flow primitives.
+V1_CONTROL_FLOW_OP_TYPES = frozenset([
     "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
     "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
 ])
+CONTROL_FLOW_OP_TYPES = frozenset([
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall",
+]) | V1_CONTROL_FLOW_OP_TYPES
 
 
 NOT_RECOMPUTABLE = "not recomputable, so already kept"

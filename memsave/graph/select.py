@@ -327,7 +327,7 @@ def topological_sort(ops):
 
 
 # A v1 while loop's back edge enters its NextIteration op; cycles through it are the loop.
-_BACK_EDGE_OP_TYPES = frozenset(["NextIteration", "RefNextIteration"])
+BACK_EDGE_OP_TYPES = frozenset(["NextIteration", "RefNextIteration"])
 
 
 def get_ops_on_cycles(seed_ops):
@@ -346,7 +346,7 @@ def get_ops_on_cycles(seed_ops):
     members = set(ops)
 
     def producers(op):
-        if op.type in _BACK_EDGE_OP_TYPES:  # (its data and control inputs close the loop)
+        if op.type in BACK_EDGE_OP_TYPES:  # (its data and control inputs close the loop)
             return []
         found = [t.op for t in op.inputs] + list(op.control_inputs)
         return [p for p in _unique_ops(found) if p in members]

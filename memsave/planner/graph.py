@@ -14,7 +14,7 @@ import os
 import tensorflow as tf
 
 from memsave.graph import _tf_private
-from memsave.graph.select import get_backward_walk_ops
+from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.planner import costs, custom_gradients, opinfo
 from memsave.region import estimated_bytes
 
@@ -30,8 +30,6 @@ FORWARD = 3     # forward only: does not depend on the xs
 # pass rather than recomputed (StepGraph.small).
 SMALL_FRACTION = 1024
 
-# v1 while loops have back edges; a topological order ignores them.
-_BACK_EDGE_OP_TYPES = frozenset(["NextIteration", "RefNextIteration"])
 
 
 class StepGraph:
@@ -403,7 +401,7 @@ def _forward_ops_in_order(ys):
     pending, consumers = {}, {}
     for op in ops:
         candidates = list(op.control_inputs)
-        if op.type not in _BACK_EDGE_OP_TYPES:
+        if op.type not in BACK_EDGE_OP_TYPES:  # (a v1 loop's back edge)
             candidates = [t.op for t in op.inputs] + candidates
         producers = list(dict.fromkeys(p for p in candidates if p in members and p is not op))
         pending[op] = len(producers)
