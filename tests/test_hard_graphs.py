@@ -293,6 +293,68 @@ def test_keras_lstm_in_tf_function():
     compare_strategies("function", build, {"x": inputs})
 
 
+def _keras_unet(keras, size=16, base=4, levels=3):
+    """A Keras functional U-Net in float64: conv-BN-ReLU twice per level,
+    Conv2DTranspose up and Concatenate skips (long skips across many segments)."""
+    def block(h, filters):
+        for _ in range(2):
+            h = keras.layers.Conv2D(filters, 3, padding="same", dtype="float64")(h)
+            h = keras.layers.BatchNormalization(dtype="float64")(h)
+            h = keras.layers.ReLU(dtype="float64")(h)
+        return h
+    inputs = keras.Input((size, size, 3), dtype="float64")
+    h, skips = inputs, []
+    for level in range(levels):
+        h = block(h, base * 2 ** level)
+        skips.append(h)
+        h = keras.layers.MaxPool2D(dtype="float64")(h)
+    h = block(h, base * 2 ** levels)
+    for level in reversed(range(levels)):
+        h = keras.layers.Conv2DTranspose(base * 2 ** level, 2, strides=2, dtype="float64")(h)
+        h = keras.layers.Concatenate(dtype="float64")([h, skips[level]])
+        h = block(h, base * 2 ** level)
+    return keras.Model(inputs, keras.layers.Conv2D(1, 1, dtype="float64")(h))
+
+
+# The memory model's choices (reading checkpoints, recomputing ahead, ordering
+# convolution gradients) depend on the kernels the machine runs: each is tried here
+# whatever this machine has (None: the model of a GPU).
+@pytest.mark.parametrize("strategy,kernels", [("speed", "onednn"), ("speed", "eigen"),
+                                              ("speed", None), ("memory", "onednn"),
+                                              ("memory", "eigen")])
+def test_keras_unet_in_tf_function_is_acyclic_and_exact(strategy, kernels, monkeypatch):
+    """The issue's U-Net failed with 'speed' at run time ("963 nodes in a cycle").
+    The function's graph is checked after tf.function added its automatic control
+    dependencies, then run."""
+    keras = pytest.importorskip("keras")
+    from memsave.graph.select import topological_sort
+    from memsave.planner import graph as planner_graph
+    monkeypatch.setattr(planner_graph, "_cpu_kernels", lambda: kernels)
+    keras.utils.set_random_seed(3)
+    model = _keras_unet(keras)
+    variables = model.trainable_variables
+
+    @tf.function
+    def step(x):
+        loss = tf.reduce_mean(model(x, training=True) ** 2)
+        reference = tf.gradients(loss, variables)
+        with memsave.always_rewrite():
+            grads = memsave.gradients(loss, variables, checkpoints=strategy)
+        return grads, reference
+
+    images = RNG.standard_normal([2, 16, 16, 3])
+    concrete = step.get_concrete_function(tf.TensorSpec(images.shape, tf.float64))
+    report = memsave.last_report()
+    assert report.fallback is None and len(report.segments) >= 4, report.summary()
+    # (The kernels took effect: TensorFlow's own convolution gradients are ordered
+    # pairwise instead of chained.)
+    assert report.orders_backward == (strategy == "memory" and kernels != "eigen")
+    topological_sort(concrete.graph.get_operations())  # raises on a cycle
+    grads, reference = concrete(tf.constant(images))
+    assert_same_gradients([r.numpy() for r in reference], [g.numpy() for g in grads],
+                          rtol=1e-12, label=f"{strategy}/{kernels}")
+
+
 # -- sparse -------------------------------------------------------------------------------
 
 def _embedding_model(table_kind):
