@@ -37,15 +37,9 @@ from typing import Optional
 import tensorflow as tf
 
 from memsave.errors import MemsaveError, MemsaveWarning
+from memsave.planner.costs import DEFAULT_FLOPS_PER_BYTE, DEFAULT_MIN_BYTES, DEFAULT_PREFETCH
 from memsave.region import estimated_bytes
 
-DEFAULT_MIN_BYTES = 1 << 20
-DEFAULT_PREFETCH = 1
-# A device's FLOP rate over its host link's bandwidth: what moving one byte costs in
-# FLOPs the device could have run instead. An H100 (~60 TFLOP/s float32) over PCIe 5
-# (~50 GB/s) is about 1200; an A100 (19.5 TFLOP/s) over PCIe 4 (~25 GB/s) about 800.
-DEFAULT_FLOPS_PER_BYTE = 1000.0
-OFFLOADER = "offloader"  # region.cache key: the call's Offloader, for planners
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,54 +108,47 @@ def host_of(device):
     return spec.replace(device_type="CPU", device_index=0).to_string()
 
 
+def usable(options, environment):
+    """`options` (an Offload or None) where offload can happen in `environment`, else
+    None: under XLA, which places the whole compiled step on one device, with a warning.
+    """
+    if options is not None and environment.under_xla:
+        warnings.warn("memsave: offload is ignored under XLA (jit_compile): XLA places the "
+                      "whole compiled step on one device, so checkpoints stay where they are",
+                      MemsaveWarning, stacklevel=5)
+        return None
+    return options
+
+
+def may_offload(t, options, accelerator):
+    """Whether checkpoint `t` could be offloaded under `options` (an Offload or None):
+    large enough, and on another device than the one it would wait on. A checkpoint
+    TensorFlow places itself (no device set) is on an accelerator only if there is one
+    (`accelerator`)."""
+    if options is None or estimated_bytes(t) < options.min_bytes:
+        return False
+    if not t.op.device and options.device is None:
+        return accelerator
+    return _canonical(_host(t, options)) != _canonical(t.op.device)
+
+
+def _host(t, options):
+    return options.device or host_of(t.op.device)
+
+
 class Offloader:
     """The copies of one rewrite: one copy out per offloaded checkpoint, one copy back
-    per segment that reads it."""
+    per segment that reads it (the plan says which: memsave.planning.Plan.offloaded)."""
 
-    def __init__(self, options, under_xla):
+    def __init__(self, options):
         self.options = options
-        self.enabled = options is not None and not under_xla
         self._out = {}  # checkpoint name -> host copy
-        self._chosen = None  # names of the checkpoints a planner chose to offload
         self.moved_bytes = 0
-        self._gpus = None
-        if options is not None and under_xla:
-            warnings.warn("memsave: offload is ignored under XLA (jit_compile): XLA places the "
-                          "whole compiled step on one device, so checkpoints stay where they are",
-                          MemsaveWarning, stacklevel=5)
-
-    def follow(self, choices):
-        """Offloads only what a planner chose (Choice.offload True), where it chose:
-        checkpoints it decided nothing about then stay on the device."""
-        if any(choice.offload is not None for choice in choices):
-            self._chosen = {choice.tensor.name for choice in choices if choice.offload}
-
-    def may_offload(self, t):
-        """Whether checkpoint `t` could be offloaded: large enough, and on another device
-        than the one it would wait on. A checkpoint TensorFlow places itself (no device
-        set) is on an accelerator only if there is one."""
-        if not self.enabled or estimated_bytes(t) < self.options.min_bytes:
-            return False
-        if not t.op.device and self.options.device is None:
-            return self._has_accelerator()
-        return _canonical(self._host(t)) != _canonical(t.op.device)
-
-    def applies_to(self, t):
-        """Whether checkpoint `t` is offloaded: it may be, and no planner chose otherwise."""
-        return self.may_offload(t) and (self._chosen is None or t.name in self._chosen)
-
-    def _has_accelerator(self):
-        if self._gpus is None:  # asked once per rewrite, not per checkpoint and segment
-            self._gpus = bool(tf.config.list_logical_devices("GPU"))
-        return self._gpus
-
-    def _host(self, t):
-        return self.options.device or host_of(t.op.device)
 
     def copy_out(self, t):
         """The host copy of checkpoint `t` (made once, as soon as `t` exists)."""
         if t.name not in self._out:
-            with _uncolocated(), tf.device(self._host(t)):
+            with _uncolocated(), tf.device(_host(t, self.options)):
                 self._out[t.name] = tf.raw_ops.Snapshot(input=t, name="offload_out")
             self.moved_bytes += estimated_bytes(t)
         return self._out[t.name]
@@ -169,7 +156,7 @@ class Offloader:
     def copy_back(self, t, wait_for):
         """A copy of `t` on its own device that leaves the host only after the ops `wait_for`."""
         host_copy = self.copy_out(t)
-        with _uncolocated(), tf.device(self._host(t)), tf.control_dependencies(wait_for):
+        with _uncolocated(), tf.device(_host(t, self.options)), tf.control_dependencies(wait_for):
             staged = tf.raw_ops.Snapshot(input=host_copy, name="offload_staged")
         graph = tf.compat.v1.get_default_graph()
         with graph.colocate_with(t.op, ignore_existing=True):

@@ -74,7 +74,7 @@ class RewriteReport:
     rewrite, `segments` lists what was built). `reads_checkpoints` says whether each
     segment's gradients read the checkpoint it
     ends at as the forward pass made it rather than recomputing it (chosen where that
-    costs no memory worth counting, or stays within a budget: memsave.rewrite).
+    costs no memory worth counting, or stays within a budget: memsave.planning).
     `recomputes_ahead` says whether each segment's recomputation waits for the gradient
     the segment after it waits for rather than its own, so it runs beside that
     segment's backward pass, off the critical path of an executor that runs ops side

@@ -122,7 +122,7 @@ def _rewrite_small_graphs(request, monkeypatch):
     see the default behaviour. Child processes inherit the setting through the
     environment."""
     import memsave
-    from memsave.rewrite import ALWAYS_REWRITE_ENV
+    from memsave.environment import ALWAYS_REWRITE_ENV
     if request.node.get_closest_marker("planner_fallback"):
         monkeypatch.delenv(ALWAYS_REWRITE_ENV, raising=False)
         yield

@@ -81,7 +81,7 @@ def test_the_price_of_a_segment_decides_how_many_segments_a_budget_makes():
 
 
 def test_calibration_measures_memory_bound_ops_dearer_than_their_flops():
-    measured = costs.calibrate(repeats=3, source="test")
+    measured = memsave.calibrate(repeats=3, source="test")
     # On any CPU, an elementwise op over data from memory takes longer than one FLOP of a
     # convolution per element, and a training batch norm (several passes) longer still.
     assert measured.per_element > 2

@@ -57,8 +57,8 @@ def test_the_fuzz_finds_a_gradient_function_called_twice(monkeypatch):
     """A rewrite that differentiates a kept op's producers a second time (what memsave
     did before issue 26) is caught: simulated by calling every custom gradient of the
     step twice, once per strategy."""
-    from memsave import rewrite
-    original = rewrite._tf_gradients
+    from memsave import build
+    original = build.tf_gradients
     spec = {"seed": 7, "n_inputs": 1, "nodes": [["input", [0]], ["constant", []],
                                                 ["clip_custom", [0]], ["tanh", [2]]],
             "ys": [3], "scalar_ys": [True], "grad_ys": False, "weights_are_xs": False,
@@ -69,7 +69,7 @@ def test_the_fuzz_finds_a_gradient_function_called_twice(monkeypatch):
     def twice(ys, xs, **kwargs):
         original(ys, xs, **kwargs)
         return original(ys, xs, **kwargs)
-    monkeypatch.setattr(rewrite, "_tf_gradients", twice)
+    monkeypatch.setattr(build, "tf_gradients", twice)
     result = fuzz.check(spec)
     assert result["status"] == "mismatch"
     assert any("custom gradients called 2 times, tf.gradients 1" in p for p in result["problems"])

@@ -328,8 +328,15 @@ def test_keras_unet_in_tf_function_is_acyclic_and_exact(strategy, kernels, monke
     dependencies, then run."""
     keras = pytest.importorskip("keras")
     from memsave.graph.select import topological_sort
-    from memsave.planner import graph as planner_graph
-    monkeypatch.setattr(planner_graph, "_cpu_kernels", lambda: kernels)
+    from memsave import environment
+    read = environment.Environment.read.__func__
+
+    def with_kernels(cls, graph, *args, **kwargs):
+        import dataclasses
+        real = read(cls, graph, *args, **kwargs)
+        return dataclasses.replace(real, kernels=kernels,
+                                   conv_threads=2 if kernels == "eigen" else 0)
+    monkeypatch.setattr(environment.Environment, "read", classmethod(with_kernels))
     keras.utils.set_random_seed(3)
     model = _keras_unet(keras)
     variables = model.trainable_variables

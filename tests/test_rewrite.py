@@ -374,7 +374,7 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped, ac
 
 def _tanh_thirds(ahead):
     """x -> 12 tanh -> sum, and a strategy keeping the 4th and 8th tanh outputs that
-    recomputes ahead or not (as memsave.budget decides, through the region's cache)."""
+    recomputes ahead or not (as memsave.budget decides: a Selection's hint)."""
     x = tf.compat.v1.placeholder(tf.float32, [64, 64], name="x")
     h, outs = x, []
     for _ in range(12):
@@ -382,8 +382,7 @@ def _tanh_thirds(ahead):
         outs.append(h)
 
     def thirds(region):
-        region.cache[planner.RECOMPUTE_AHEAD] = ahead
-        return [outs[3], outs[7]]
+        return memsave.strategies.Selection([outs[3], outs[7]], recompute_ahead=ahead)
     return tf.reduce_sum(h), x, thirds
 
 

@@ -27,7 +27,7 @@ Needs graph execution (the default; not `run_eagerly=True`). XLA is fine:
 `jit_compile` keeps Keras' meaning (`'auto'`, the default, is XLA where Keras
 chooses it, i.e. with an accelerator; `True` always), and the recomputation
 survives compilation (memsave's copies depend on their segment's gradient through
-data, which XLA cannot merge away: see memsave.rewrite).
+data, which XLA cannot merge away: see memsave.build).
 
 This module imports Keras; `import memsave` does not import it (use
 `memsave.keras`, which loads this module on first use).

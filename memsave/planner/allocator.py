@@ -21,7 +21,6 @@ step (by ~10% on some models here); the replay gives one such order.
 
 import bisect
 import dataclasses
-import os
 
 _MIN_CHUNK = 256                      # BFC rounds every request up to this multiple
 _SPLIT_ANYWAY = 128 << 20             # ... and splits a chunk this much larger regardless
@@ -42,19 +41,20 @@ class Allocator:
     first_region: int
 
 
-def of_device():
-    """The Allocator TensorFlow uses for the step's tensors here, or None where it is
-    not BFC (the CPU's default allocator takes what each tensor needs from malloc)."""
-    import tensorflow as tf  # (the planner reads graphs; this asks the runtime once)
+def named(name):
+    """The Allocator of memsave.environment.Environment.allocator `name`, or None for
+    the CPU's default allocator (it takes what each tensor needs from malloc)."""
+    if name is None:
+        return None
+    growing = "growing" in name
+    return Allocator(name, _FIRST_GROWTH_REGION if growing else _WHOLE_DEVICE)
 
-    if tf.config.list_physical_devices("GPU"):
-        growing = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true"
-        if growing:
-            return Allocator("BFC (GPU, growing)", _FIRST_GROWTH_REGION)
-        return Allocator("BFC (GPU)", _WHOLE_DEVICE)
-    if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("true", "1"):
-        return Allocator("BFC (CPU, growing)", _FIRST_GROWTH_REGION)
-    return None
+
+def of_device():
+    """The Allocator TensorFlow uses for the step's tensors in this process (read now)."""
+    from memsave.environment import Environment  # (tf.config: read only when asked)
+
+    return named(Environment.read(None).allocator)
 
 
 class _BestFit:

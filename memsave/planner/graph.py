@@ -9,11 +9,10 @@ candidate plan costs a pass over lists, not thousands of graph API calls.
 """
 
 import logging
-import os
 
 import tensorflow as tf
 
-from memsave.graph import _tf_private
+from memsave.environment import Environment
 from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.planner import costs, custom_gradients, opinfo
 from memsave.region import estimated_bytes
@@ -108,27 +107,30 @@ class StepGraph:
         self.costs = costs.active()
 
     @classmethod
-    def build(cls, region, unknown_dim_size=1, defer=True):
+    def build(cls, region, environment=None, unknown_dim_size=1, defer=True):
         """Compiles the forward pass of `region` (a memsave.region.ForwardRegion).
 
         Args:
           region: the ForwardRegion.
+          environment: the memsave.environment.Environment the step runs in (which
+            kernels, XLA); None reads this process's.
           unknown_dim_size: the size assumed for unknown dimensions (a batch fed
             through a placeholder of shape [None, ...]).
           defer: whether the rewrite may make weight gradients last (`deferred`;
             not with tf.gradients' gate_gradients=True, which groups a weight's
             gradient with its input's).
         """
+        if environment is None:
+            environment = Environment.read(region.ys[0].graph)
         step = cls()
         step.unknown_dim_size = unknown_dim_size
-        kernels = _cpu_kernels()
-        step.conv_threads = _eigen_conv_threads(kernels)
+        step.conv_threads = environment.conv_threads
         ops = _forward_ops_in_order(region.ys)
         kept = {op for op, _ in region.kept_ops}
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
         # (Under XLA, whose kernels make workspaces of their own, none is modelled.)
-        step._size_workspaces(None if _tf_private.in_xla_context(region.ys[0].graph) else kernels)
+        step._size_workspaces(None if environment.under_xla else environment.kernels)
         step._link(region)
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
         step.largest_bytes = max((step.size[t] for t in region_tensors), default=0)
@@ -360,23 +362,6 @@ class StepGraph:
         """Bytes alive before the step starts: inputs, constants and variables."""
         return sum(self.size[t] for i, k in enumerate(self.kind) if k == RESIDENT
                    for t in self.outputs[i])
-
-
-def _eigen_conv_threads(kernels):
-    """Intra-op threads when convolution gradients run on TensorFlow's own CPU kernels
-    (`kernels` is opinfo.EIGEN: no GPU, oneDNN off), else 0: those kernels' workspaces
-    are then part of the peak."""
-    if kernels != opinfo.EIGEN:
-        return 0
-    return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
-
-
-def _cpu_kernels():
-    """Which kernels run the step's ops: opinfo.ONEDNN or opinfo.EIGEN on a machine
-    without a GPU; None with one (its kernels' workspaces are not modelled)."""
-    if tf.config.list_physical_devices("GPU"):
-        return None
-    return opinfo.ONEDNN if _tf_private.onednn_enabled() else opinfo.EIGEN
 
 
 def is_data(t):

@@ -35,7 +35,6 @@ import collections
 import dataclasses
 from typing import Optional
 
-from memsave.offload import DEFAULT_FLOPS_PER_BYTE
 from memsave.planner import allocator as allocator_lib
 from memsave.planner import costs, intervals, opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
@@ -280,7 +279,7 @@ class MemoryModel:
             forward reader, and again from the start of the segment `prefetch`
             segments before each segment that reads them to that segment's last read.
           prefetch, flops_per_byte: as memsave.Offload's (default flops_per_byte:
-            memsave.offload.DEFAULT_FLOPS_PER_BYTE).
+            memsave.offload.costs.DEFAULT_FLOPS_PER_BYTE).
           allocator: also replay the step through the model's allocator
             (`allocator_peak_bytes`); searches rank plans without it, which is
             cheaper, and ask for it where a plan is checked against a limit or reported.
@@ -294,7 +293,7 @@ class MemoryModel:
             is complete, which may be before the backward pass that makes it ends).
         """
         if flops_per_byte is None:
-            flops_per_byte = DEFAULT_FLOPS_PER_BYTE
+            flops_per_byte = costs.DEFAULT_FLOPS_PER_BYTE
         key = _plan_key(checkpoints, offloaded, prefetch, flops_per_byte, read_checkpoints,
                         recompute_ahead)
         return self._cached(key, allocator, lambda replay: self._simulate(

@@ -12,6 +12,7 @@ over-predict memory.
 import functools
 import math
 
+from memsave.environment import EIGEN, ONEDNN  # noqa: F401 (named once, there)
 from memsave.graph import _tf_private
 
 
@@ -183,7 +184,6 @@ def conv_gradient_workspace(op, differentiated, threads):
 #   a byte per element of the output;
 # - TensorFlow's own CPU kernel (oneDNN off): one float.
 # On a GPU it is cuDNN's reserve space, whose size is not known here.
-ONEDNN, EIGEN = "onednn", "eigen"
 _RESERVE_SPACE_3 = 5
 
 

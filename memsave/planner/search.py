@@ -35,7 +35,7 @@ import itertools
 
 import numpy as np
 
-from memsave.offload import DEFAULT_FLOPS_PER_BYTE, DEFAULT_PREFETCH
+from memsave.planner import costs
 from memsave.planner.graph import REGION, RESIDENT, is_data
 
 EXACT_PEAK_LIMIT = 10
@@ -54,8 +54,8 @@ class Offloadable:
       prefetch, flops_per_byte: as memsave.Offload's.
     """
     tensors: frozenset
-    prefetch: int = DEFAULT_PREFETCH
-    flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE
+    prefetch: int = costs.DEFAULT_PREFETCH
+    flops_per_byte: float = costs.DEFAULT_FLOPS_PER_BYTE
 
 
 class Candidates:

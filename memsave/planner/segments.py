@@ -15,10 +15,10 @@ checkpoints (`read_checkpoints`), the checkpoint the segment ends at. A copy who
 outputs nothing then reads is never run: the segment of a checkpoint made by a
 ReLU, whose gradient reads only that output, then recomputes nothing, but the
 checkpoint stays alive until that segment's backward pass instead of until the
-later segment's recomputation has read it (memsave.rewrite chooses per plan).
+later segment's recomputation has read it (memsave.planning chooses per plan).
 
 This is the one place that decides segments: the memory model simulates them
-and the rewrite (memsave.rewrite) builds them.
+and the builder (memsave.build) builds them.
 """
 
 from memsave.planner.graph import KEPT, REGION, RESIDENT

@@ -5,7 +5,7 @@ strategies; `memsave.strategies.base` says what a strategy is and has the
 factories (`keep_if`, `explicit`) and the combinator (`union`) to build more.
 """
 
-from memsave.strategies.base import Choice, explicit, keep_if, union
+from memsave.strategies.base import Choice, Selection, explicit, keep_if, selection_of, union
 from memsave.strategies.collection import CHECKPOINT_COLLECTION, mark_checkpoint, marked_tensors
 from memsave.strategies.memory import narrowest_cuts
 from memsave.strategies.planned import budget, lowest_peak
@@ -18,7 +18,7 @@ STRATEGIES = {
 }
 
 __all__ = [
-    "STRATEGIES", "Choice", "explicit", "keep_if", "union", "CHECKPOINT_COLLECTION",
+    "STRATEGIES", "Choice", "Selection", "selection_of", "explicit", "keep_if", "union", "CHECKPOINT_COLLECTION",
     "mark_checkpoint", "marked_tensors", "narrowest_cuts", "lowest_peak", "budget", "EXPENSIVE_OP_TYPES",
     "expensive_op_outputs",
 ]

@@ -1,19 +1,51 @@
 """What a checkpoint strategy is, the factories that build one, and the combinator.
 
 A strategy is a callable `strategy(region) -> list[Choice]`: given the forward
-region (memsave.region.ForwardRegion) it names the tensors to keep, each with
-the reason it was kept (and, for a planner, whether to offload it). Simple
+region (a memsave.planner.Problem, which answers as the memsave.region.ForwardRegion
+and also holds the environment and the memory model) it names the tensors to keep,
+each with the reason it was kept (and, for a planner, whether to offload it). A
+planner may return a `Selection` instead: the choices with hints on how the plan
+runs them, which it decided with the memory model. Simple
 strategies are tensor predicates turned into strategies by `keep_if`; `union`
 combines any number of strategies.
 """
 
 import collections
+import dataclasses
+from typing import Optional, Sequence
 
 from memsave.graph.select import TensorSet
 
 # offload: None where the call's `offload=` decides (every checkpoint large enough),
 # True/False where a planner decided (memsave.budget(..., offload=...)).
 Choice = collections.namedtuple("Choice", ["tensor", "reason", "offload"], defaults=[None])
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """A strategy's choices and what it decided about running them (None: the plan
+    decides, with the memory model).
+
+    Attributes:
+      choices: the Choices.
+      read_checkpoints: whether segments read the checkpoint they end at as the
+        forward pass made it, rather than recomputing it.
+      recompute_ahead: whether each segment recomputes beside the backward pass of
+        the segment after it.
+      order_backward: whether each segment's large gradient ops run one after another.
+      plain: why plain tf.gradients is the better plan (with no choices).
+    """
+    choices: Sequence[Choice] = ()
+    read_checkpoints: Optional[bool] = None
+    recompute_ahead: Optional[bool] = None
+    order_backward: bool = False
+    plain: Optional[str] = None
+
+
+def selection_of(result):
+    """A strategy's result as a Selection (a list of choices or tensors is one with no
+    hints)."""
+    return result if isinstance(result, Selection) else Selection(result)
 
 
 def keep_if(predicate, reason):

@@ -1,7 +1,7 @@
 """'collection': keep the tensors the user marked in a graph collection."""
 
 from memsave.graph.select import TensorSet
-from memsave.strategies.base import keep_if
+from memsave.strategies.base import Choice
 
 CHECKPOINT_COLLECTION = "checkpoints"
 
@@ -19,10 +19,11 @@ def mark_checkpoint(t, collection=CHECKPOINT_COLLECTION):
 
 def marked_tensors(name=CHECKPOINT_COLLECTION):
     """A strategy keeping the region tensors found in graph collection `name`."""
-    def is_marked(t, region):
-        marked = region.cache.get(("collection", name))
-        if marked is None:
-            marked = TensorSet(m for m in t.graph.get_collection(name) if hasattr(m, "op"))
-            region.cache[("collection", name)] = marked
-        return t in marked
-    return keep_if(is_marked, f"in graph collection '{name}'")
+    reason = f"in graph collection '{name}'"
+
+    def strategy(region):
+        graph = region.ys[0].graph
+        marked = TensorSet(m for m in graph.get_collection(name) if hasattr(m, "op"))
+        return [Choice(t, reason) for t in region.tensors() if t in marked]
+    strategy.__name__ = f"marked_tensors({name!r})"
+    return strategy

@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 
-from memsave import planner
 from memsave.planner.search import Candidates
 from memsave.strategies.base import Choice
 
@@ -52,7 +51,7 @@ def narrowest_cuts(count=None):
       A strategy.
     """
     def strategy(region):
-        graph = planner.model_of(region).graph
+        graph = region.model.graph
         candidates = Candidates(graph)
         if candidates.n_cuts < 1:
             return []

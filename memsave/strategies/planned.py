@@ -14,10 +14,8 @@ from memsave import offload as offload_lib
 from memsave import planner
 from memsave.errors import MemsaveError
 from memsave.planner import search
-from memsave.strategies.base import Choice
+from memsave.strategies.base import Choice, Selection
 from memsave.strategies.speed import EXPENSIVE_OP_TYPES
-
-PLAIN = "plain"  # region.cache key: why plain tf.gradients is the better plan
 
 
 def _mb(n):
@@ -48,8 +46,8 @@ def lowest_peak(tolerance=None):
         also keep matmul/convolution outputs while the peak stays within it of the
         lowest, so less is recomputed (more segments: a longer build).
     """
-    def strategy(region):
-        model = planner.model_of(region)
+    def strategy(problem):
+        model = problem.model
         expensive = _expensive_outputs(model.graph) if tolerance is not None else ()
         best = search.minimise_peak(model, expensive=expensive, tolerance=tolerance or 0.0)
         if best is None:
@@ -59,13 +57,12 @@ def lowest_peak(tolerance=None):
         # through the next segment's backward pass (on a chain, one tensor more at the
         # peak: tests/test_planner.py), and the lowest peak is what was asked for. Nor do
         # they recompute ahead: that only adds what runs at once (ResNet50: +15%, measured).
-        region.cache[planner.READ_CHECKPOINTS] = False
-        region.cache[planner.RECOMPUTE_AHEAD] = False
         # And its segments' large gradient ops run in one order, the model's: an executor
         # running two side by side holds both (MobileNetV2: 79-115 MB with one plan).
-        region.cache[planner.ORDER_BACKWARD] = True
-        return _choices(model, plan, f"lowest predicted peak of live tensors "
-                                     f"({_mb(prediction.peak_bytes)} with {len(plan)} checkpoints)")
+        return Selection(_choices(model, plan, f"lowest predicted peak of live tensors "
+                                               f"({_mb(prediction.peak_bytes)} with {len(plan)} "
+                                               "checkpoints)"),
+                         read_checkpoints=False, recompute_ahead=False, order_backward=True)
     strategy.__name__ = "lowest_peak"
     return strategy
 
@@ -115,20 +112,20 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
             return int(self.limit * model.baseline(allocator=True).device_peak_bytes)
         return self.limit
 
-    def __call__(self, region):
-        if self.unknown_dim_size is not None:
-            region.cache[planner.UNKNOWN_DIM_SIZE] = self.unknown_dim_size
-        model = planner.model_of(region)
+    def __call__(self, problem):
+        # (problem.unknown_dim_size is this budget's, where it gives one: the call's
+        # pipeline reads it before the memory model is built.)
+        model = problem.model
         limit = self.limit_bytes(model)
         baseline = model.baseline(allocator=True).device_peak_bytes
         if baseline <= limit:
-            region.cache[PLAIN] = (f"tf.gradients' predicted peak {_mb(baseline)} "
+            return Selection(plain=f"tf.gradients' predicted peak {_mb(baseline)} "
                                    f"fits the budget of {_mb(limit)}: nothing to recompute")
-            return []
-        offloadable = _offloadable(model, region)
+        offloadable = _offloadable(model, problem)
+        environment = problem.environment
         best = search.within_budget(
             model, limit, _expensive_outputs(model.graph), offloadable=offloadable,
-            read_checkpoints=(True, False) if planner.may_read_checkpoints(region) else (False,))
+            read_checkpoints=(True, False) if environment.may_read_checkpoints else (False,))
         if best is None:
             reachable = search.lowest_reachable_peak(model, offloadable)
             reachable = baseline if reachable is None else reachable
@@ -139,20 +136,20 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
                 f"{_mb(reachable)} (tf.gradients: {_mb(baseline)}); raise the budget "
                 f"to at least {_mb(reachable)}{hint}")
         prediction, plan, offloaded = best
-        prediction = _ahead_if_it_fits(model, region, prediction, plan, offloaded, limit)
-        region.cache[planner.READ_CHECKPOINTS] = prediction.reads_checkpoints
-        region.cache[planner.RECOMPUTE_AHEAD] = prediction.recomputes_ahead
-        return _choices(model, plan, f"within budget {_mb(limit)} (predicted peak "
-                                     f"{_mb(prediction.device_peak_bytes)})",
-                        offloaded if offloadable else None)
+        prediction = _ahead_if_it_fits(model, environment, prediction, plan, offloaded, limit)
+        choices = _choices(model, plan, f"within budget {_mb(limit)} (predicted peak "
+                                        f"{_mb(prediction.device_peak_bytes)})",
+                           offloaded if offloadable else None)
+        return Selection(choices, read_checkpoints=prediction.reads_checkpoints,
+                         recompute_ahead=prediction.recomputes_ahead)
 
 
-def _ahead_if_it_fits(model, region, prediction, plan, offloaded, limit):
+def _ahead_if_it_fits(model, environment, prediction, plan, offloaded, limit):
     """The prediction of `plan` recomputing ahead where that still fits `limit`
     (MemoryModel.predict's recompute_ahead: the same recomputation, off the backward
     pass's critical path on an executor that runs ops side by side; its tensors live a
     segment longer), else `prediction`."""
-    if offloaded or not planner.may_recompute_ahead(region):
+    if offloaded or not environment.may_recompute_ahead:
         return prediction
     reads = prediction.reads_checkpoints
     # Live tensors first: the allocator never holds less, so a plan whose tensors
@@ -163,12 +160,12 @@ def _ahead_if_it_fits(model, region, prediction, plan, offloaded, limit):
     return ahead if ahead.device_peak_bytes <= limit else prediction
 
 
-def _offloadable(model, region):
-    """What the call may offload (memsave.search.Offloadable), or None."""
-    offloader = region.cache.get(offload_lib.OFFLOADER)
-    if offloader is None or not offloader.enabled:
+def _offloadable(model, problem):
+    """What the call may offload (memsave.planner.search.Offloadable), or None."""
+    options = problem.offload
+    if options is None:
         return None
-    graph, options = model.graph, offloader.options
+    graph, accelerator = model.graph, problem.environment.accelerator
     tensors = frozenset(t for op in graph.region_op_ids() for t in graph.outputs[op]
-                        if offloader.may_offload(graph.tensors[t]))
+                        if offload_lib.may_offload(graph.tensors[t], options, accelerator))
     return search.Offloadable(tensors, options.prefetch, options.flops_per_byte)

@@ -1,0 +1,94 @@
+"""What a plan is made for: the machine, the graph's compiler, the call's settings.
+
+Read once per call (`Environment.read`) and handed to the planner and the builder,
+so no layer asks TensorFlow or the process environment again and the two can never
+see different answers (a GPU appearing between planning and building, say).
+"""
+
+import dataclasses
+import os
+from typing import Optional
+
+import tensorflow as tf
+
+from memsave.graph import _tf_private
+
+# Which kernels run a step's ops on a machine without a GPU.
+ONEDNN, EIGEN = "onednn", "eigen"
+
+ALWAYS_REWRITE_ENV = "MEMSAVE_ALWAYS_REWRITE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """The facts a plan depends on besides the graph.
+
+    Attributes:
+      under_xla: the ops are compiled by XLA (tf.function(jit_compile=True)): it drops
+        control inputs and schedules ops itself.
+      accelerator: a GPU is visible to TensorFlow.
+      kernels: ONEDNN or EIGEN (TensorFlow's own CPU kernels, oneDNN off) on a machine
+        without a GPU; None with one (its kernels' workspaces are not modelled).
+      conv_threads: intra-op threads of TensorFlow's own CPU convolution gradients
+        (kernels EIGEN), whose im2col buffers are part of the peak; else 0.
+      allocator: TensorFlow's allocator for the step's tensors ("BFC (GPU)",
+        "BFC (GPU, growing)", "BFC (CPU, growing)"), or None for the CPU's default.
+      gate_gradients: tf.gradients' gate_gradients=True: a weight's gradient is
+        grouped with its input's, so none may be made last.
+      always_rewrite: build the rewrite even where no saving is predicted
+        (memsave.always_rewrite(), MEMSAVE_ALWAYS_REWRITE=1).
+    """
+    under_xla: bool = False
+    accelerator: bool = False
+    kernels: Optional[str] = ONEDNN
+    conv_threads: int = 0
+    allocator: Optional[str] = None
+    gate_gradients: bool = False
+    always_rewrite: bool = False
+
+    @classmethod
+    def read(cls, graph, gate_gradients=False, always_rewrite=False):
+        """The environment of a call building in `graph`.
+
+        Args:
+          graph: the graph the gradients are built in (None: no XLA).
+          gate_gradients: the call's tf.gradients argument.
+          always_rewrite: whether memsave.always_rewrite() is in force.
+        """
+        accelerator = bool(tf.config.list_physical_devices("GPU"))
+        kernels = None if accelerator else (ONEDNN if _tf_private.onednn_enabled() else EIGEN)
+        under_xla = graph is not None and _tf_private.in_xla_context(graph)
+        return cls(under_xla=under_xla, accelerator=accelerator,
+                   kernels=kernels, conv_threads=_eigen_conv_threads(kernels),
+                   allocator=_allocator(accelerator), gate_gradients=bool(gate_gradients),
+                   always_rewrite=bool(always_rewrite))
+
+    @property
+    def may_read_checkpoints(self):
+        """Whether segments may read their checkpoints as the forward pass made them: not
+        under XLA, where the reads go through conditionals (as the copies' inputs do,
+        see memsave.build._xla_gate) and XLA's buffers for the small CNN of
+        tests/test_memory.py grew from 0.41x to 0.47x of tf.gradients' with them."""
+        return not self.under_xla
+
+    @property
+    def may_recompute_ahead(self):
+        """Whether segments may recompute ahead (MemoryModel.predict's recompute_ahead):
+        not under XLA, which orders the copies by the data they read and schedules
+        them itself."""
+        return not self.under_xla
+
+
+def _eigen_conv_threads(kernels):
+    if kernels != EIGEN:
+        return 0
+    return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
+
+
+def _allocator(accelerator):
+    if accelerator:
+        growing = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true"
+        return "BFC (GPU, growing)" if growing else "BFC (GPU)"
+    if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("true", "1"):
+        return "BFC (CPU, growing)"
+    return None

@@ -1,0 +1,123 @@
+"""What waits for what in a built rewrite: the control edges the builder adds, and
+the walks that find where they go (the ops made after a point, a gradient's own cone).
+
+An op's inputs exist before it is made, so every data edge runs from an earlier-made
+op to a later-made one; the edges added here follow that order, but those that make
+a deferred weight gradient wait for a later segment, and TensorFlow's own CPU
+convolution gradients, ordered pairwise.
+"""
+
+import tensorflow as tf
+
+from memsave.graph import _tf_private
+from memsave.graph.reroute import reroute_ts
+from memsave.graph.select import tensor_key
+from memsave.region import estimated_bytes
+
+
+def serialize_conv_gradients(copied_ops, deferred=frozenset()):
+    """Makes the Conv2DBackpropInput of each copied Conv2D wait for its
+    Conv2DBackpropFilter, unless that one is deferred (it runs after the last
+    segment). The two read the convolution's input and filter and the
+    same incoming gradient, so they are found among those tensors' consumers."""
+    for op in copied_ops:
+        if op.type != "Conv2D":
+            continue
+        filter_grads = {tensor_key(c.inputs[2]): c for c in op.inputs[0].consumers()
+                        if c.type == "Conv2DBackpropFilter" and c not in deferred}
+        for consumer in op.inputs[1].consumers():
+            if consumer.type == "Conv2DBackpropInput":
+                partner = filter_grads.get(tensor_key(consumer.inputs[2]))
+                if partner is not None:
+                    _tf_private.add_control_inputs(consumer, [partner])
+
+
+
+
+def large_ops_needed_by(grads, made_before, excluded, min_bytes):
+    """The ops made after the op numbered `made_before` (a segment's tf.gradients call)
+    that its gradients `grads` need, but those in `excluded` (deferred weight gradients)
+    and in v1 control-flow frames, whose outputs hold at least `min_bytes`, in the
+    order they were made. (Ops nothing needs are left out: a control input from one
+    would make TensorFlow run it.)"""
+    stack = [t.op for g in grads if g is not None
+             for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+    needed = set()
+    while stack:
+        op = stack.pop()
+        if op in needed or op in excluded or _tf_private.creation_index(op) <= made_before:
+            continue
+        needed.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    large = [op for op in needed if _tf_private.control_flow_context(op) is None
+             and sum(estimated_bytes(t) for t in op.outputs) >= min_bytes]
+    return sorted(large, key=_tf_private.creation_index)
+
+
+def one_after_another(ops):
+    """Each of `ops` (in the order they were made) waits for the one before it, through
+    control inputs. An op's inputs exist before it is made, so every edge runs from an
+    earlier-made op to a later-made one but the control inputs memsave adds pointing
+    back (deferred weight gradients, which are left out; TensorFlow's own CPU
+    convolution gradients, where no order is made): the chain closes no cycle."""
+    for earlier, later in zip(ops, ops[1:]):
+        _tf_private.add_control_inputs(later, [earlier])
+
+
+def readers_made_after(t, made_before):
+    """The ops reading `t` that were made after the op numbered `made_before`."""
+    return [r for r in t.consumers() if _tf_private.creation_index(r) > made_before]
+
+
+def reroute_readers(old, new, made_before):
+    """Ops made after `made_before` that read `old` read `new` instead."""
+    reroute_ts([new], [old], can_modify=readers_made_after(old, made_before))
+
+
+def copies_that_run(copied_ops, made_before):
+    """The copies a step runs: those whose outputs a gradient op (made after
+    `made_before`) or another copy that runs reads; TensorFlow prunes the others."""
+    members = set(copied_ops)
+    running = set()
+    for op in reversed(copied_ops):  # copies are made producers first
+        if any((c in running) if c in members else _tf_private.creation_index(c) > made_before
+               for t in op.outputs for c in t.consumers()):
+            running.add(op)
+    return [op for op in copied_ops if op in running]
+
+
+def wait_for(cone, trigger_ops):
+    """The ops of `cone` that read nothing made within it wait for `trigger_ops`."""
+    for op in cone:
+        if not any(t.op in cone for t in op.inputs):
+            _tf_private.add_control_inputs(op, trigger_ops)
+
+
+def exclusive_cone(gradient, made_before, returned):
+    """The op making `gradient` and the ops made after index `made_before` that only it
+    needs: those whose every output, and every control output, is read only within
+    the set, and that make none of the tensors in `returned` (a TensorSet of
+    gradients that later segments will read).
+
+    Returns the set, or an empty one where the op makes another of `returned`, is read
+    by something else through a control input, or lives in a v1 control-flow frame (a
+    control input from outside the frame would be invalid)."""
+    op = gradient.op
+    if (any(t in returned for t in op.outputs if t.value_index != gradient.value_index)
+            or _tf_private.control_outputs(op)
+            or _tf_private.control_flow_context(op) is not None):
+        return set()
+    cone, stack = {op}, [op]
+    while stack:
+        for t in stack.pop().inputs:
+            p = t.op
+            if (p in cone or _tf_private.creation_index(p) <= made_before
+                    or _tf_private.control_flow_context(p) is not None
+                    or any(out in returned for out in p.outputs)):
+                continue
+            if (all(c in cone for out in p.outputs for c in out.consumers())
+                    and all(c in cone for c in _tf_private.control_outputs(p))):
+                cone.add(p)
+                stack.append(p)
+    return cone

@@ -1,0 +1,48 @@
+"""What one call plans for: its forward region, the environment, and the settings the
+memory model is built with. Strategies are called with a Problem."""
+
+from memsave.planner import allocator
+from memsave.planner.graph import StepGraph
+from memsave.planner.memory import MemoryModel
+
+
+class Problem:
+    """The forward region of one gradients call and what a plan for it depends on.
+
+    A strategy is called with it. It answers the region's own attributes
+    (`problem.ops`, `problem.tensors()`, `problem.is_x(t)`, `len(problem)`, ...), so
+    a strategy written for a memsave.region.ForwardRegion works unchanged.
+
+    Attributes:
+      region: the memsave.region.ForwardRegion.
+      environment: the memsave.environment.Environment.
+      unknown_dim_size: the size the memory model assumes for unknown dimensions.
+      offload: the call's memsave.Offload, or None (none, or under XLA).
+      model: the MemoryModel of the step, built on first use.
+    """
+
+    def __init__(self, region, environment, unknown_dim_size=1, offload=None):
+        self.region = region
+        self.environment = environment
+        self.unknown_dim_size = unknown_dim_size
+        self.offload = None if environment.under_xla else offload
+        self._model = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            graph = StepGraph.build(self.region, self.environment, self.unknown_dim_size,
+                                    defer=not self.environment.gate_gradients)
+            self._model = MemoryModel(graph, allocator=allocator.named(self.environment.allocator))
+        return self._model
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "region":
+            raise AttributeError(name)
+        return getattr(self.region, name)
+
+    def __len__(self):
+        return len(self.region)
+
+    def __contains__(self, op):
+        return op in self.region

@@ -1,0 +1,377 @@
+"""Planning: from a strategy's choices to one frozen `Plan` the builder builds.
+
+Every decision about a call is made here, once, and written into the Plan: which
+checkpoints (the strategy's, plus the tensors every plan must end segments at and
+those several segments would read), which of them wait in host memory, whether
+segments read their checkpoints or recompute them, whether they recompute ahead,
+whether their large gradient ops are ordered, the parts of the backward pass in
+their order, the memory model's prediction, and whether plain tf.gradients answers
+instead (and why). Nothing is added to the graph: `memsave.plan(...)` is this alone.
+"""
+
+import dataclasses
+import logging
+import warnings
+from typing import FrozenSet, Optional, Tuple
+
+import tensorflow as tf
+
+from memsave import backward
+from memsave import offload as offload_lib
+from memsave import report as report_lib
+from memsave.environment import Environment
+from memsave.errors import MemsaveError, MemsaveWarning
+from memsave.graph import _tf_private
+from memsave.graph.select import TensorSet
+from memsave.planner.memory import Prediction
+from memsave.planner.segments import ForwardReads, Segmentation
+from memsave.region import NOT_RECOMPUTABLE, ForwardRegion
+from memsave.strategies import Choice, selection_of
+
+logger = logging.getLogger(__name__)
+
+# A plan must predict at least this much less than tf.gradients to be used.
+_MIN_PREDICTED_SAVING = 0.02
+# A plan reads its checkpoints, or recomputes ahead, where the strategy did not decide
+# and that raises its predicted peak by at most this much.
+_FREE_PEAK_TOLERANCE = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the builder builds, decided.
+
+    Attributes:
+      strategy: the strategy's name, for the report.
+      region: the memsave.region.ForwardRegion.
+      environment: the memsave.environment.Environment it was made for.
+      step_graph: the memory model's StepGraph (op and tensor ids, what is small,
+        which weight gradients are made last).
+      checkpoints: the kept Choices in forward order: the strategy's, then those every
+        plan must end segments at and those several segments read (with reasons).
+      dropped: (tensor name, why) of the choices that could not be kept.
+      offloaded: names of the checkpoints that wait in host memory.
+      offload: the memsave.Offload they go with (prefetch), or None.
+      reads_checkpoints: segments read the checkpoint they end at as the forward pass
+        made it (ForwardReads), not from a recomputed copy.
+      recomputes_ahead: each segment's copies wait for the previous segment's trigger.
+      orders_backward: each segment's large gradient ops run one after another.
+      serializes_conv_gradients: each copied convolution's input gradient waits for
+        its filter gradient (TensorFlow's own CPU kernels: one im2col buffer at a time).
+      forward_reads: which tensors segments' gradients read from the forward pass.
+      parts: the tf.gradients calls of the rewrite (memsave.backward.Part), in the
+        order the backward pass runs them.
+      prediction: the memory model's prediction of this plan (None with no checkpoints).
+      baseline: its prediction of plain tf.gradients.
+      fallback: why plain tf.gradients answers instead, or None.
+      warn: whether that fallback deserves a warning (the caller listed checkpoints).
+    """
+    strategy: str
+    region: ForwardRegion
+    environment: Environment
+    step_graph: object
+    checkpoints: Tuple[Choice, ...]
+    dropped: Tuple[Tuple[str, str], ...]
+    baseline: Prediction
+    offloaded: FrozenSet[str] = frozenset()
+    offload: Optional[offload_lib.Offload] = None
+    reads_checkpoints: bool = False
+    recomputes_ahead: bool = False
+    orders_backward: bool = False
+    serializes_conv_gradients: bool = False
+    forward_reads: Optional[ForwardReads] = None
+    parts: Tuple[backward.Part, ...] = ()
+    prediction: Optional[Prediction] = None
+    fallback: Optional[str] = None
+    warn: bool = False
+
+    @property
+    def checkpoint_tensors(self):
+        return [c.tensor for c in self.checkpoints]
+
+    def report(self):
+        """The RewriteReport of this plan (the builder adds what it built)."""
+        graph, baseline, prediction = self.step_graph, self.baseline, self.prediction
+        report = report_lib.RewriteReport(
+            strategy=self.strategy, region_ops=len(self.region),
+            checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in self.checkpoints],
+            dropped=list(self.dropped),
+            not_recomputable=[(op.name, why) for op, why in self.region.kept_ops],
+            baseline_peak_bytes=baseline.device_peak_bytes, baseline_peak_at=baseline.device_peak_at,
+            resident_bytes=baseline.resident_bytes, unknown_dims=len(graph.unknown_dims),
+            unknown_dim_size=graph.unknown_dim_size, fallback=self.fallback,
+            reads_checkpoints=self.reads_checkpoints, recomputes_ahead=self.recomputes_ahead,
+            orders_backward=self.orders_backward)
+        for info in report.checkpoints:
+            info.offloaded = info.name in self.offloaded
+        if prediction is None:
+            report.predicted_peak_bytes = baseline.device_peak_bytes
+            report.predicted_live_bytes = baseline.peak_bytes
+            report.peak_at = baseline.device_peak_at
+            return report
+        report.predicted_peak_bytes = prediction.device_peak_bytes
+        report.predicted_live_bytes = prediction.peak_bytes
+        report.predicted_host_bytes = prediction.host_bytes
+        report.offload_moved_bytes = prediction.moved_bytes  # (the builder counts what it moves)
+        report.transfer_flops = prediction.transfer_flops
+        report.peak_at = prediction.device_peak_at
+        report.recompute_flops = prediction.recompute_flops
+        report.deferred_gradients = prediction.deferred_gradients
+        report.predicted_segments = prediction.segments
+        report.predicted_recomputed_ops = prediction.recomputed_ops
+        report.forward_flops = prediction.forward_flops
+        return report
+
+
+def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False):
+    """The Plan of one call.
+
+    Args:
+      problem: the call's memsave.planner.Problem.
+      strategy: the resolved strategy callable.
+      strategy_name: its name for reports.
+      xs: the call's xs (graph tensors).
+      explicit: whether the caller listed the checkpoints (a fallback then warns).
+      quiet: no MemsaveWarning for dropped checkpoints (memsave.plan).
+    Returns:
+      A Plan (its `fallback` set where plain tf.gradients answers).
+    Raises:
+      MemsaveError: for a strategy result that is not a list of choices, a budget no
+        plan meets.
+    """
+    region, environment, model = problem.region, problem.environment, problem.model
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore", MemsaveWarning)
+        selection = selection_of(strategy(problem))
+        kept, dropped = _select_checkpoints(selection.choices, region)
+    kept = _with_shared_tensors(kept, model.graph, region)
+    common = dict(strategy=strategy_name, region=region, environment=environment,
+                  step_graph=model.graph, dropped=tuple(dropped),
+                  baseline=model.baseline(allocator=True))
+    if not kept:
+        return Plan(checkpoints=(), fallback=selection.plain or _no_checkpoints_message(
+            strategy_name, region), warn=explicit and selection.plain is None, **common)
+    offloaded = _offloaded(kept, problem)
+    graph = model.graph
+    ids = [graph.id_of(c.tensor) for c in kept]
+    offloaded_ids = [graph.id_of(c.tensor) for c in kept if c.tensor.name in offloaded]
+    prediction = _final_prediction(model, environment, selection, ids, offloaded_ids,
+                                   problem.offload)
+    decided = dict(
+        common, checkpoints=tuple(kept), offloaded=offloaded,
+        offload=problem.offload if offloaded else None, prediction=prediction,
+        reads_checkpoints=prediction.reads_checkpoints,
+        recomputes_ahead=prediction.recomputes_ahead,
+        # Not under XLA (which drops control inputs), nor where TensorFlow's own CPU
+        # convolution gradients run pairwise one after the other: their control inputs
+        # point from a filter gradient to the input gradient made before it, and a chain
+        # in the order of making would close a cycle.
+        orders_backward=(selection.order_backward and not environment.under_xla
+                         and not environment.conv_threads),
+        serializes_conv_gradients=environment.conv_threads > 0,
+        forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints))
+    baseline = common["baseline"].device_peak_bytes
+    if (prediction.device_peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline
+            and not environment.always_rewrite):
+        return Plan(fallback=(
+            f"memsave: strategy {strategy_name!r} is predicted to peak at "
+            f"{prediction.device_peak_bytes / 2**20:.3g} MB, not below tf.gradients' "
+            f"{baseline / 2**20:.3g} MB, so plain tf.gradients was used"),
+            warn=explicit, **decided)
+    try:
+        parts = _parts_in_backward_order(region, model.graph, xs, [c.tensor for c in kept])
+    except backward.NoBackwardOrder as why:
+        return Plan(fallback=f"memsave: {why}, so plain tf.gradients answered the call",
+                    warn=explicit, **decided)
+    return Plan(parts=tuple(parts), **decided)
+
+
+def _offloaded(kept, problem):
+    """Names of the checkpoints that wait in host memory: those that may (large enough,
+    on another device than the host), but where a planner chose (Choice.offload not
+    None), only those it chose."""
+    options, accelerator = problem.offload, problem.environment.accelerator
+    chosen = None
+    if any(c.offload is not None for c in kept):
+        chosen = {c.tensor.name for c in kept if c.offload}
+    return frozenset(c.tensor.name for c in kept
+                     if offload_lib.may_offload(c.tensor, options, accelerator)
+                     and (chosen is None or c.tensor.name in chosen))
+
+
+def _parts_in_backward_order(region, step_graph, xs, checkpoints):
+    """The rewrite's parts (memsave.backward), each after every part sending gradient to
+    what it needs, so each gradient function is called once with its whole gradient.
+
+    Raises:
+      backward.NoBackwardOrder: where there is no such order.
+    """
+    checkpoint_set = TensorSet(checkpoints)
+    groups = {}
+    for c in checkpoints:
+        groups.setdefault(c.op, []).append(c)
+    ordered_groups = [groups[op] for op in sorted(groups, key=region.position.__getitem__)]
+    reads_of_xs = TensorSet(x for x in xs if x.dtype == tf.resource)
+    parts = backward.parts_of(region, region.ys, checkpoint_set, ordered_groups,
+                              step_graph.op_id.__getitem__,
+                              skip_kept=lambda op: reads_one_of(op, reads_of_xs))
+    return backward.backward_order(
+        parts, lambda t: region.is_x(t) or reads_one_of(t.op, reads_of_xs))
+
+
+def reads_one_of(op, handles):
+    """Whether `op` reads the value of a variable whose handle is in `handles`: its
+    gradient is that variable's, summed into the result without a gradient call."""
+    return op.type == "ReadVariableOp" and op.inputs[0] in handles
+
+
+# -- the checkpoints ---------------------------------------------------------------------
+
+def _select_checkpoints(choices, region):
+    """Keeps region tensors, dropping xs, ys and tensors that cannot be segment ends."""
+    kept, dropped, seen = [], [], TensorSet()
+    for choice in _as_choices(choices, region):
+        t = choice.tensor
+        if t in seen:
+            continue
+        seen.add(t)
+        why = None
+        if region.is_x(t):
+            why = "it is one of the xs"
+        elif region.is_y(t):
+            why = "it is one of the ys"
+        elif t.op not in region:
+            why = region.why_outside(t.op)
+            if why == NOT_RECOMPUTABLE:
+                dropped.append((t.name, why))
+                continue
+        if why is None:
+            kept.append(choice)
+            continue
+        dropped.append((t.name, why))
+        warnings.warn(f"memsave: checkpoint {t.name} dropped: {why}", MemsaveWarning,
+                      stacklevel=6)
+    kept.sort(key=lambda c: region.position[c.tensor.op])
+    return kept, dropped
+
+
+def _as_choices(choices, region):
+    """A strategy's result as Choices; custom strategies may also return plain tensors."""
+    graph = region.ys[0].graph
+    allowed = ("a strategy returns a list of memsave.strategies.Choice(tensor, reason) or of "
+               "graph tensors of the graph being differentiated")
+    if isinstance(choices, (tf.Tensor, str)) or not hasattr(choices, "__iter__"):
+        raise MemsaveError(f"the checkpoint strategy returned a {type(choices).__name__}; {allowed}")
+    result = []
+    for i, item in enumerate(choices):
+        t = item.tensor if isinstance(item, Choice) else item
+        if not isinstance(t, tf.Tensor) or _tf_private.is_eager_tensor(t):
+            raise MemsaveError(f"the checkpoint strategy returned a {type(t).__name__} at position "
+                               f"{i}; {allowed}")
+        if t.graph is not graph:
+            raise MemsaveError(f"the checkpoint strategy returned {t.name}, a tensor of another "
+                               f"graph, at position {i}; {allowed}")
+        result.append(item if isinstance(item, Choice) else Choice(t, "chosen by a custom strategy"))
+    return result
+
+
+def _with_shared_tensors(kept, graph, region):
+    """Adds the tensors ops that are not recomputed read (memsave.backward: a segment
+    ends there, so the op's gradient is taken once, with its whole gradient) and those
+    several segments would recompute (memsave.planner.segments)."""
+    if not kept:
+        return kept
+    segmentation = Segmentation(graph, [graph.id_of(c.tensor) for c in kept])
+    added = [Choice(graph.tensors[t], _Y_READ_BY_REGION if graph.is_y[t] else _READ_BY_KEPT_OP)
+             for t in segmentation.forced]
+    added += [Choice(graph.tensors[t], "read by several segments: kept so it is recomputed "
+                     "once") for t in segmentation.shared]
+    if not added:
+        return kept
+    logger.debug("memsave: keeping %d tensors read by ops that are not recomputed and %d read "
+                 "by several segments", len(segmentation.forced), len(segmentation.shared))
+    kept = kept + added
+    kept.sort(key=lambda c: region.position[c.tensor.op])
+    return kept
+
+
+_READ_BY_KEPT_OP = ("read by an op that is not recomputed (control flow, a stateful op): a "
+                    "segment ends there, so that op's gradient is taken once")
+_Y_READ_BY_REGION = ("one of the ys, read by recomputed ops: a segment ends there, so the ops "
+                     "making it are differentiated once")
+
+
+def _no_checkpoints_message(strategy_name, region):
+    if strategy_name == "collection":
+        hint = ("mark tensors with memsave.mark_checkpoint(t), pass checkpoints='memory', "
+                "or pass a list of tensors")
+    else:
+        hint = "pass a list of tensors on the path from xs to ys, or checkpoints='memory'"
+    return (f"memsave: strategy {strategy_name!r} chose no usable checkpoints in a region of "
+            f"{len(region)} ops, so nothing can be saved and plain tf.gradients was used; {hint}")
+
+
+# -- reading or recomputing, ahead or not --------------------------------------------
+
+def _final_prediction(model, environment, selection, checkpoints, offloaded, options):
+    """The prediction of the chosen plan: whether its segments read their checkpoints
+    (_reading_or_recomputing), then whether they recompute ahead (_ahead_or_not)."""
+    prediction = _reading_or_recomputing(model, environment, selection.read_checkpoints,
+                                         checkpoints, offloaded, options)
+    return _ahead_or_not(model, environment, selection.recompute_ahead, checkpoints,
+                         offloaded, prediction)
+
+
+def _ahead_or_not(model, environment, chosen, checkpoints, offloaded, prediction):
+    """`prediction`, or that of the same plan recomputing ahead (MemoryModel.predict's
+    recompute_ahead: each segment's recomputation runs beside the backward pass of the
+    segment after it, so it leaves the critical path where the executor runs ops side
+    by side): where the strategy chose so (`chosen`, a budget, where it fits), or, where
+    it did not choose, if the predicted peak stays within _FREE_PEAK_TOLERANCE.
+
+    Not with offloaded checkpoints (their copies back are timed by the segments'
+    triggers) nor under XLA (Environment.may_recompute_ahead)."""
+    if chosen is False or offloaded or not environment.may_recompute_ahead:
+        return prediction
+    within = 1 + _FREE_PEAK_TOLERANCE
+    reads = prediction.reads_checkpoints
+    if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
+        ahead = model.predict(checkpoints, recompute_ahead=True, read_checkpoints=reads)
+        if ahead.peak_bytes > prediction.peak_bytes * within:
+            return prediction
+    ahead = model.predict(checkpoints, allocator=True, recompute_ahead=True,
+                          read_checkpoints=reads)
+    if chosen or ahead.device_peak_bytes <= prediction.device_peak_bytes * within:
+        return ahead
+    return prediction
+
+
+def _reading_or_recomputing(model, environment, chosen, checkpoints, offloaded, options):
+    """The prediction of the chosen plan, its segments reading or recomputing the
+    checkpoint each ends at (Prediction.reads_checkpoints).
+
+    Its segments read their checkpoints as the forward pass made them where they may
+    (Environment.may_read_checkpoints) and the strategy chose so (`chosen`: a budget
+    searches both kinds of plan), or, where it did not choose, if that recomputes less
+    and keeps the predicted peak within _FREE_PEAK_TOLERANCE of recomputing them:
+    reading holds each checkpoint through the later segment's backward pass, and a
+    segment ending at a ReLU then runs nothing."""
+    extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
+    recomputing = model.predict(checkpoints, offloaded, *extra, allocator=True)
+    if chosen is False or not environment.may_read_checkpoints:
+        return recomputing
+    graph = model.graph
+    if not chosen and not any(c in graph.grad_reads[graph.producer[c]] for c in checkpoints):
+        return recomputing  # no checkpoint's own gradient reads it: nothing to gain
+    within = 1 + _FREE_PEAK_TOLERANCE
+    if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
+        reading = model.predict(checkpoints, offloaded, *extra, read_checkpoints=True)
+        if (reading.cost_flops >= recomputing.cost_flops
+                or reading.peak_bytes > recomputing.peak_bytes * within):
+            return recomputing
+    reading = model.predict(checkpoints, offloaded, *extra, allocator=True,
+                            read_checkpoints=True)
+    if chosen or reading.device_peak_bytes <= recomputing.device_peak_bytes * within:
+        return reading
+    return recomputing
