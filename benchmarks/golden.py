@@ -71,7 +71,9 @@ def _v1_chain(strategy, offload=False, length=24):
         return _snapshot(graph, before, memsave.last_report())
 
 
-def _function_step(name, strategy, jit_compile=False, **options):
+def _traced(name, differentiate, jit_compile=False, **options):
+    """The snapshot of `differentiate(loss, variables)` (which returns a report) traced
+    in a tf.function step of model `name`."""
     model = models.build_model(name, **options)
     snapshot = {}
 
@@ -79,9 +81,8 @@ def _function_step(name, strategy, jit_compile=False, **options):
         loss = model.loss(*inputs)
         graph = tf.compat.v1.get_default_graph()
         before = len(graph.get_operations())
-        with memsave.always_rewrite():
-            memsave.gradients(loss, model.variables, checkpoints=strategy)
-        snapshot.update(_snapshot(graph, before, memsave.last_report()))
+        report = differentiate(loss, model.variables)
+        snapshot.update(_snapshot(graph, before, report))
         return loss
 
     function = tf.function(step, autograph=False, jit_compile=jit_compile)
@@ -89,21 +90,18 @@ def _function_step(name, strategy, jit_compile=False, **options):
     return snapshot
 
 
+def _function_step(name, strategy, jit_compile=False, **options):
+    def differentiate(loss, variables):
+        with memsave.always_rewrite():
+            memsave.gradients(loss, variables, checkpoints=strategy)
+        return memsave.last_report()
+    return _traced(name, differentiate, jit_compile, **options)
+
+
 def _plan_only(name, strategy, **options):
     """memsave.plan on a model: its report, and that it added no op."""
-    model = models.build_model(name, **options)
-    snapshot = {}
-
-    def step(*inputs):
-        loss = model.loss(*inputs)
-        graph = tf.compat.v1.get_default_graph()
-        before = len(graph.get_operations())
-        report = memsave.plan(loss, model.variables, checkpoints=strategy)
-        snapshot.update(_snapshot(graph, before, report))
-        return loss
-
-    tf.function(step, autograph=False).get_concrete_function(*model.inputs)
-    return snapshot
+    return _traced(name, lambda loss, variables: memsave.plan(loss, variables,
+                                                              checkpoints=strategy), **options)
 
 
 CASES = {
