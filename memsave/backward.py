@@ -26,7 +26,7 @@ before anything is built, and plain tf.gradients answers the call.
 """
 
 import dataclasses
-from typing import List, Optional
+from typing import Optional
 
 import tensorflow as tf
 
@@ -85,10 +85,11 @@ def differentiable(t):
             or t.dtype in (tf.resource, tf.variant))
 
 
-def segment_ops(ends_at, region, checkpoints):
-    """The region ops between `ends_at` and the checkpoints below (what a segment copies)."""
+def needed_ops(ends_at, segment, checkpoints):
+    """The ops of `segment` (a planned segment's ops) that `ends_at` needs: all of them
+    where it ends at all its checkpoints; fewer where some of them get no gradient."""
     return get_backward_walk_ops([t.op for t in ends_at], inclusive=True,
-                                 within_ops=region.op_set, stop_at_ts=checkpoints)
+                                 within_ops=segment, stop_at_ts=checkpoints)
 
 
 def segment_reads(ops, region, checkpoints):
@@ -229,7 +230,7 @@ def _describe(part):
     return f"the segment ending at {part.ends_at[0].name}"
 
 
-def parts_of(region, ys, checkpoints, checkpoint_groups, position_of, skip_kept):
+def parts_of(region, ys, checkpoints, checkpoint_groups, position_of, skip_kept, segment_of):
     """Every Part of a rewrite, unordered.
 
     Args:
@@ -238,6 +239,8 @@ def parts_of(region, ys, checkpoints, checkpoint_groups, position_of, skip_kept)
       checkpoints: a TensorSet of the plan's checkpoints.
       checkpoint_groups: lists of checkpoints made by one op, in topological order.
       position_of: op -> its index in a topological order of the step's ops.
+      segment_of: (the checkpoints of one group, or None for the last segment) -> the
+        region ops of that segment, producers first (the planner's Segmentation).
       skip_kept: op -> whether a kept op is not differentiated by a part of its own
         (a read of a variable that is one of the xs: its gradient is the variable's).
     Returns:
@@ -246,11 +249,11 @@ def parts_of(region, ys, checkpoints, checkpoint_groups, position_of, skip_kept)
     parts = []
     inside = [y for y in ys if y.op in region and y not in checkpoints]
     if inside:
-        ops = segment_ops(inside, region, checkpoints)
+        ops = segment_of(None)
         parts.append(Part(SEGMENT, inside, ops, segment_reads(ops, region, checkpoints),
                           position=1 << 62))
     for group in checkpoint_groups:
-        ops = segment_ops(group, region, checkpoints)
+        ops = segment_of(group)
         parts.append(Part(SEGMENT, list(group), ops, segment_reads(ops, region, checkpoints),
                           position=position_of(group[0].op), checkpoint_group=list(group)))
     for group in kept_groups(region, skip_kept):

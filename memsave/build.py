@@ -192,7 +192,8 @@ class _Builder:
         if seg_ys:
             self._segment(seg_ys, seg_grads, [g.op for g in seg_grads], seg_grads[0],
                           f"segment_{self.region.position[group[0].op]}",
-                          ops if len(seg_ys) == len(group) else None)
+                          ops if len(seg_ys) == len(group) else
+                          backward.needed_ops(seg_ys, ops, self.checkpoints))
 
     def _kept_part(self, part):
         """Differentiates ops that are not recomputed (memsave.backward), as they are,
@@ -225,8 +226,8 @@ class _Builder:
             if g is not None:
                 self.totals[t] = g
 
-    def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label, ops=None):
-        """Copies the ops between `seg_ys` and the checkpoints and differentiates them.
+    def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label, ops):
+        """Copies `ops` (the planned segment's that `seg_ys` needs) and differentiates them.
 
         The copies wait for `trigger_ops` (control inputs), or where the plan recomputes
         ahead for the previous segment's, which the backward pass completes earlier, so
@@ -234,8 +235,6 @@ class _Builder:
         inputs and merges equal computations, they read their inputs through a data
         dependency on `trigger` (or the previous segment's) as well (see `_xla_gate`).
         """
-        if ops is None:
-            ops = backward.segment_ops(seg_ys, self.region, self.checkpoints)
         local_inputs = backward.segment_reads(ops, self.region, self.checkpoints)
         self.triggers.append(trigger_ops)
         self.trigger_tensors.append(trigger)

@@ -24,7 +24,7 @@ from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorSet
 from memsave.planner.memory import Prediction
-from memsave.planner.segments import ForwardReads, Segmentation
+from memsave.planner.segments import LAST, ForwardReads, Segmentation
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion
 from memsave.strategies import Choice, selection_of
 
@@ -145,7 +145,7 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
             warnings.simplefilter("ignore", MemsaveWarning)
         selection = selection_of(strategy(problem))
         kept, dropped = _select_checkpoints(selection.choices, region)
-    kept = _with_shared_tensors(kept, model.graph, region)
+    kept, segmentation = _with_shared_tensors(kept, model.graph, region)
     common = dict(strategy=strategy_name, region=region, environment=environment,
                   step_graph=model.graph, dropped=tuple(dropped),
                   baseline=model.baseline(allocator=True))
@@ -180,7 +180,7 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
             f"{baseline / 2**20:.3g} MB, so plain tf.gradients was used"),
             warn=explicit, **decided)
     try:
-        parts = _parts_in_backward_order(region, model.graph, xs, [c.tensor for c in kept])
+        parts = _parts_in_backward_order(region, segmentation, xs, [c.tensor for c in kept])
     except backward.NoBackwardOrder as why:
         return Plan(fallback=f"memsave: {why}, so plain tf.gradients answered the call",
                     warn=explicit, **decided)
@@ -200,13 +200,21 @@ def _offloaded(kept, problem):
                      and (chosen is None or c.tensor.name in chosen))
 
 
-def _parts_in_backward_order(region, step_graph, xs, checkpoints):
+def _parts_in_backward_order(region, segmentation, xs, checkpoints):
     """The rewrite's parts (memsave.backward), each after every part sending gradient to
     what it needs, so each gradient function is called once with its whole gradient.
+    Each segment's ops are those `segmentation` (the planner's, whose checkpoints are
+    `checkpoints`) gives it.
 
     Raises:
       backward.NoBackwardOrder: where there is no such order.
     """
+    step_graph = segmentation.graph
+
+    def segment_of(group):
+        head = LAST if group is None else step_graph.op_id[group[0].op]
+        return [step_graph.ops[op] for op in segmentation.ops.get(head, ())]
+
     checkpoint_set = TensorSet(checkpoints)
     groups = {}
     for c in checkpoints:
@@ -215,7 +223,8 @@ def _parts_in_backward_order(region, step_graph, xs, checkpoints):
     reads_of_xs = TensorSet(x for x in xs if x.dtype == tf.resource)
     parts = backward.parts_of(region, region.ys, checkpoint_set, ordered_groups,
                               step_graph.op_id.__getitem__,
-                              skip_kept=lambda op: reads_one_of(op, reads_of_xs))
+                              skip_kept=lambda op: reads_one_of(op, reads_of_xs),
+                              segment_of=segment_of)
     return backward.backward_order(
         parts, lambda t: region.is_x(t) or reads_one_of(t.op, reads_of_xs))
 
@@ -279,21 +288,26 @@ def _as_choices(choices, region):
 def _with_shared_tensors(kept, graph, region):
     """Adds the tensors ops that are not recomputed read (memsave.backward: a segment
     ends there, so the op's gradient is taken once, with its whole gradient) and those
-    several segments would recompute (memsave.planner.segments)."""
+    several segments would recompute (memsave.planner.segments).
+
+    Returns:
+      (the kept Choices in forward order, the Segmentation of all of them, whose
+      segments the builder copies).
+    """
     if not kept:
-        return kept
+        return kept, None
     segmentation = Segmentation(graph, [graph.id_of(c.tensor) for c in kept])
     added = [Choice(graph.tensors[t], _Y_READ_BY_REGION if graph.is_y[t] else _READ_BY_KEPT_OP)
              for t in segmentation.forced]
     added += [Choice(graph.tensors[t], "read by several segments: kept so it is recomputed "
                      "once") for t in segmentation.shared]
     if not added:
-        return kept
+        return kept, segmentation
     logger.debug("memsave: keeping %d tensors read by ops that are not recomputed and %d read "
                  "by several segments", len(segmentation.forced), len(segmentation.shared))
     kept = kept + added
     kept.sort(key=lambda c: region.position[c.tensor.op])
-    return kept
+    return kept, segmentation
 
 
 _READ_BY_KEPT_OP = ("read by an op that is not recomputed (control flow, a stateful op): a "

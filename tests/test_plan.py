@@ -11,7 +11,7 @@ import memsave
 from memsave import build, planning, rewrite
 from memsave.environment import Environment
 from memsave.planner import Problem
-from memsave.planner.segments import ForwardReads
+from memsave.planner.segments import ForwardReads, Segmentation
 from memsave.region import ForwardRegion
 from memsave.strategies import Choice
 
@@ -55,7 +55,8 @@ def _hand_written_plan(x, outputs, loss, kept, recompute_ahead):
         baseline=model.baseline(), prediction=model.predict(ids),
         recomputes_ahead=recompute_ahead,
         forward_reads=ForwardReads(graph, set(ids)),
-        parts=tuple(planning._parts_in_backward_order(region, graph, [x], kept)))
+        parts=tuple(planning._parts_in_backward_order(region, Segmentation(graph, ids), [x],
+                                                      kept)))
 
 
 @pytest.mark.parametrize("ahead", [False, True])
