@@ -136,7 +136,7 @@ class _Builder:
         # Weight gradients made after the last segment (StepGraph.deferred; none under
         # gate_gradients): per segment, the op sets that make them, and the segment's
         # other gradients.
-        self.defer = bool(self.step_graph.deferred)
+        self.defer = bool(plan.deferred)
         self.deferred_cones, self.other_gradients = [], []
 
     def run(self):
@@ -319,7 +319,7 @@ class _Builder:
         the segment's other gradients; returns all the deferred ops."""
         cones = []
         if self.defer:
-            deferred_tensors = self.step_graph.deferred_tensors
+            deferred_tensors = self.plan.deferred
             tensor_id = self.step_graph.tensor_id
             # The segment's gradients are read later, by segments not yet built: no op
             # making one may wait, but the deferred one's own.

@@ -23,6 +23,7 @@ from memsave.environment import Environment
 from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorSet
+from memsave.planner.graph import StepGraph
 from memsave.planner.memory import Prediction
 from memsave.planner.segments import LAST, ForwardReads, Segmentation
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion
@@ -59,6 +60,9 @@ class Plan:
       serializes_conv_gradients: each copied convolution's input gradient waits for
         its filter gradient (TensorFlow's own CPU kernels: one im2col buffer at a time).
       forward_reads: which tensors segments' gradients read from the forward pass.
+      deferred: tensor ids (of step_graph) whose gradients are made after the last
+        segment's backward pass: weight gradients larger than what they read
+        (StepGraph.deferred; none under gate_gradients).
       parts: the tf.gradients calls of the rewrite (memsave.backward.Part), in the
         order the backward pass runs them.
       prediction: the memory model's prediction of this plan (None with no checkpoints).
@@ -69,7 +73,7 @@ class Plan:
     strategy: str
     region: ForwardRegion
     environment: Environment
-    step_graph: object
+    step_graph: StepGraph
     checkpoints: Tuple[Choice, ...]
     dropped: Tuple[Tuple[str, str], ...]
     baseline: Prediction
@@ -80,6 +84,7 @@ class Plan:
     orders_backward: bool = False
     serializes_conv_gradients: bool = False
     forward_reads: Optional[ForwardReads] = None
+    deferred: FrozenSet[int] = frozenset()
     parts: Tuple[backward.Part, ...] = ()
     prediction: Optional[Prediction] = None
     fallback: Optional[str] = None
@@ -170,7 +175,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         orders_backward=(selection.order_backward and not environment.under_xla
                          and not environment.conv_threads),
         serializes_conv_gradients=environment.conv_threads > 0,
-        forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints))
+        forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints),
+        deferred=frozenset(graph.deferred_tensors))
     baseline = common["baseline"].device_peak_bytes
     if (prediction.device_peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline
             and not environment.always_rewrite):

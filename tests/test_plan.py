@@ -54,7 +54,7 @@ def _hand_written_plan(x, outputs, loss, kept, recompute_ahead):
         checkpoints=tuple(Choice(t, "written by hand") for t in kept), dropped=(),
         baseline=model.baseline(), prediction=model.predict(ids),
         recomputes_ahead=recompute_ahead,
-        forward_reads=ForwardReads(graph, set(ids)),
+        forward_reads=ForwardReads(graph, set(ids)), deferred=frozenset(graph.deferred_tensors),
         parts=tuple(planning._parts_in_backward_order(region, Segmentation(graph, ids), [x],
                                                       kept)))
 
