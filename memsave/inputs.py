@@ -93,7 +93,7 @@ def normalise_call(ys, xs, grad_ys=None, stop_gradients=None):
 def _handles(values, graph):
     """Variables among `values` as the graph tensors of their handles (as tf.gradients
     takes them)."""
-    return [_tf_private.graph_tensor_of_variable(v, graph) if _is_variable(v) else v
+    return [_tf_private.graph_tensor_of_variable(v, graph) if is_variable(v) else v
             for v in values]
 
 
@@ -107,7 +107,7 @@ def _as_list(value, what):
     return [value]
 
 
-def _is_variable(value):
+def is_variable(value):
     # Keras 3 variables are no tf.Variable and have no read_value, but act as
     # resource variables (tf.gradients takes them through their handle too).
     return (isinstance(value, tf.Variable) or tf.__internal__.ops.is_resource_variable(value)
@@ -139,7 +139,7 @@ def _check_stop_gradients(stop):
 
 def _graph_of(value):
     """The graph of a graph tensor, sparse tensor or variable handle; None for other values."""
-    if _is_variable(value):
+    if is_variable(value):
         value = getattr(value, "handle", None)
     if isinstance(value, tf.IndexedSlices):
         value = value.values
@@ -187,7 +187,7 @@ def _why_plain(values, what, graph):
         return f"{what} is empty"
     for i, value in enumerate(values):
         label = f"{what}[{i}]"
-        if what != "ys" and _is_variable(value):
+        if what != "ys" and is_variable(value):
             if _graph_of(value) not in (None, graph):
                 return f"{label} is a variable of another graph than the ys"
             continue

@@ -35,6 +35,12 @@ def creation_index(op):
     return op._id
 
 
+def ops_made(graph):
+    """The creation index of the last op `graph` made (0 before any): ops made later have
+    larger ones."""
+    return max(graph._nodes_by_id, default=0)
+
+
 def colocate(op, with_op):
     """Puts `op` in `with_op`'s colocation groups: the `_class` attribute the placer reads,
     and that gradient ops built under `colocate_with(op)` inherit."""

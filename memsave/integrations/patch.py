@@ -16,7 +16,10 @@ While a patch is active these names compute their gradients with memsave:
 - the `gradients` function that `tf.hessians` and `tf.compat.v1.hessians` call:
   `tensorflow.python.ops.gradients_impl.gradients` (the second-order calls those
   make inside a while loop take tensors of the enclosing graph, which memsave
-  leaves to plain tf.gradients: see memsave.inputs).
+  leaves to plain tf.gradients: see memsave.inputs);
+- `tf.GradientTape` (also `tf.autodiff.GradientTape`): tapes made while the patch is
+  active are memsave.GradientTape with the patch's strategy (Keras' own `fit` makes
+  one per traced train step, so a plain `model.fit` under the patch saves memory).
 
 On exit, also when the body raises, every one of them is put back exactly as it
 was (the same object, or no attribute if there was none). Patches nest: the
@@ -48,13 +51,16 @@ _API_SITES = ("", "compat.v2", "compat.v1")      # tf.gradients, tf.compat.v{2,1
 # What v1 optimizers call, and what tf.hessians calls.
 _MODULE_SITES = ("tensorflow.python.ops.gradients", "tensorflow.python.ops.gradients_impl")
 _ATTRIBUTE = "gradients"
+# Where tf.GradientTape is looked up (from the `tensorflow` module).
+_TAPE_SITES = ("", "autodiff")
+_TAPE_ATTRIBUTE = "GradientTape"
 
 _lock = threading.RLock()
 # The active patches, innermost last; each entry is (entry token, (checkpoints, offload)).
 _active = []
 # While any patch is active: the saved attribute slots, in the order they were
-# patched. Each is (owner, present, value): owner's __dict__ had the attribute
-# (`present`) with `value`.
+# patched. Each is (owner, attribute, present, value): owner's __dict__ had the
+# attribute (`present`) with `value`.
 _saved = []
 # Original function per patched owner id, for calls that must bypass memsave.
 _originals = {}
@@ -121,38 +127,96 @@ def _make_dispatcher(original):
     return gradients
 
 
+def _tape_sites():
+    """The objects whose `GradientTape` attribute a patch replaces."""
+    import tensorflow as tf
+    owners = []
+    for path in _TAPE_SITES:
+        owner = tf
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        owners.append(owner)
+        wrapped = vars(owner).get("_tfmw_wrapped_module")
+        if wrapped is not None:
+            owners.append(wrapped)
+    unique = []
+    for owner in owners:
+        if all(owner is not seen for seen in unique):
+            unique.append(owner)
+    return unique
+
+
 def _install():
-    owners = _sites()
+    slots = [(owner, _ATTRIBUTE) for owner in _sites()]
+    slots += [(owner, _TAPE_ATTRIBUTE) for owner in _tape_sites()]
     # Read everything before writing anything: a TFModuleWrapper's setattr also
     # writes the module it wraps.
-    for owner in owners:
-        present = _ATTRIBUTE in vars(owner)
-        _saved.append((owner, present, vars(owner).get(_ATTRIBUTE)))
-        _originals[id(owner)] = getattr(owner, _ATTRIBUTE)
+    for owner, attribute in slots:
+        present = attribute in vars(owner)
+        _saved.append((owner, attribute, present, vars(owner).get(attribute)))
+        if attribute == _ATTRIBUTE:
+            _originals[id(owner)] = getattr(owner, attribute)
     dispatchers = {}
     try:
-        for owner in owners:
+        for owner, attribute in slots:
+            if attribute == _TAPE_ATTRIBUTE:
+                setattr(owner, attribute, _patched_tape_class(getattr(owner, attribute)))
+                continue
             original = _originals[id(owner)]
             key = id(original)
             if key not in dispatchers:
                 dispatchers[key] = _make_dispatcher(original)
-            setattr(owner, _ATTRIBUTE, dispatchers[key])
+            setattr(owner, attribute, dispatchers[key])
     except (AttributeError, TypeError):
         _uninstall()
         raise
-    _log.debug("memsave.patch: routed %d gradients attributes through memsave", len(owners))
+    _log.debug("memsave.patch: routed %d gradients attributes and tf.GradientTape through "
+               "memsave", len(slots))
+
+
+_tape_classes = {}
+
+
+def _patched_tape_class(original):
+    """memsave.GradientTape taking the innermost active patch's strategy (one class per
+    original, so `isinstance` checks against it stay true while patched)."""
+    from memsave.tape import GradientTape
+
+    if getattr(original, "memsave_original", None) is not None:
+        return original
+    if id(original) not in _tape_classes:
+        class PatchedGradientTape(GradientTape):
+            __doc__ = ("tf.GradientTape, patched by memsave.patch: computes with memsave.\n\n"
+                       + (original.__doc__ or ""))
+            memsave_original = original
+
+            def __init__(self, persistent=False, watch_accessed_variables=True):
+                with _lock:
+                    checkpoints, offload = (_active[-1][1] if _active
+                                            else ("collection", False))
+                super().__init__(persistent, watch_accessed_variables, checkpoints, offload)
+
+            def gradient(self, *args, **kwargs):
+                if _in_memsave():
+                    return original.gradient(self, *args, **kwargs)
+                with _inside_memsave():
+                    return super().gradient(*args, **kwargs)
+
+        PatchedGradientTape.__name__ = PatchedGradientTape.__qualname__ = "GradientTape"
+        _tape_classes[id(original)] = PatchedGradientTape
+    return _tape_classes[id(original)]
 
 
 def _uninstall():
     # Reverse order: a TFModuleWrapper is restored before the module it wraps.
     errors = []
     while _saved:
-        owner, present, value = _saved.pop()
+        owner, attribute, present, value = _saved.pop()
         try:
             if present:
-                setattr(owner, _ATTRIBUTE, value)
-            elif _ATTRIBUTE in vars(owner):
-                delattr(owner, _ATTRIBUTE)
+                setattr(owner, attribute, value)
+            elif attribute in vars(owner):
+                delattr(owner, attribute)
         except (AttributeError, TypeError) as err:  # keep restoring the rest
             errors.append(f"{getattr(owner, '__name__', owner)}: {err}")
     _originals.clear()

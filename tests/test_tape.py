@@ -1,0 +1,219 @@
+"""memsave.GradientTape answers as tf.GradientTape, computed by memsave, and
+memsave.patch routes tf.GradientTape (Keras' own fit) through it.
+
+Each case records the same computation on a tf.GradientTape and a
+memsave.GradientTape in one tf.function (float64) and compares the structures, the
+Nones and the values; the report shows memsave built segments.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+
+from _gradcheck import assert_same_gradients
+
+RNG = np.random.RandomState(0)
+W_VALUES = [RNG.standard_normal([8, 8]) / 3 for _ in range(6)]
+X = RNG.standard_normal([16, 8])
+
+
+def _chain(h, weights):
+    for w in weights:
+        h = tf.tanh(tf.matmul(h, w))
+    return h
+
+
+def _both(record, sources_of, persistent=False, **gradient_kwargs):
+    """Runs `record(tape)` -> target under each tape in one tf.function and returns
+    (tf.GradientTape's gradients, memsave.GradientTape's, memsave's report)."""
+    reports = []
+
+    @tf.function
+    def step(x):
+        results = []
+        for tape_class in (tf.GradientTape, memsave.GradientTape):
+            with tape_class(persistent=persistent) as tape:
+                target = record(tape, x)
+            results.append(tape.gradient(target, sources_of(x), **gradient_kwargs))
+            if tape_class is memsave.GradientTape:
+                reports.append(memsave.last_report())
+        return results
+
+    expected, got = step(tf.constant(X))
+    return expected, got, reports[-1]
+
+
+def _flat(structure):
+    return [g if g is None or isinstance(g, tf.IndexedSlices) else np.asarray(g)
+            for g in tf.nest.flatten(structure)]
+
+
+def test_same_gradients_as_the_tape_and_segments_built():
+    weights = [tf.Variable(w) for w in W_VALUES]
+
+    def record(tape, x):
+        return tf.reduce_sum(_chain(x, weights) ** 2)
+    expected, got, report = _both(record, lambda x: weights)
+    assert report.fallback is None and len(report.segments) >= 2, report.summary()
+    assert_same_gradients(_flat(expected), _flat(got), rtol=1e-12)
+
+
+def test_nested_sources_unwatched_tensors_and_zeros():
+    weights = [tf.Variable(w) for w in W_VALUES]
+
+    def record(tape, x):
+        tape.watch(x)
+        return tf.reduce_sum(_chain(x, weights) ** 2)
+
+    def sources(x):
+        unwatched = x * 2.0  # made before the tape: not watched, so None (or zeros)
+        return {"weights": weights[:3], "more": (weights[3:], x), "unwatched": unwatched}
+    expected, got, _ = _both(record, sources)
+    assert tf.nest.map_structure(lambda g: g is None, expected) == \
+        tf.nest.map_structure(lambda g: g is None, got)
+    assert got["unwatched"] is None
+    assert_same_gradients([g for g in _flat(expected) if g is not None],
+                          [g for g in _flat(got) if g is not None], rtol=1e-12)
+    expected, got, _ = _both(record, sources, unconnected_gradients="zero")
+    np.testing.assert_array_equal(got["unwatched"], np.zeros_like(X))
+    assert_same_gradients(_flat(expected), _flat(got), rtol=1e-12)
+
+
+def test_stop_recording_and_ops_made_before_the_tape():
+    """The tape differentiates only what it recorded: a layer applied before it starts
+    and a part of the loss computed inside stop_recording() pass no gradient."""
+    weights = [tf.Variable(w) for w in W_VALUES]
+    early = tf.Variable(RNG.standard_normal([8, 8]) / 3)
+
+    def step_with(tape_class):
+        @tf.function
+        def step(x):
+            h0 = tf.tanh(tf.matmul(x, early))  # before the tape
+            with tape_class() as tape:
+                h = _chain(h0, weights[:3])
+                with tape.stop_recording():
+                    h = h + _chain(h, weights[3:4])  # (no gradient to weights[3] from here)
+                h = _chain(h, weights[3:])
+                target = tf.reduce_sum(h * h)
+            return tape.gradient(target, [early] + weights)
+        return step(tf.constant(X))
+
+    expected = step_with(tf.GradientTape)
+    got = step_with(memsave.GradientTape)
+    assert expected[0] is None and got[0] is None
+    assert_same_gradients(_flat(expected[1:]), _flat(got[1:]), rtol=1e-12)
+
+
+def test_output_gradients_persistent_tapes_and_sparse_gradients():
+    table = tf.Variable(RNG.standard_normal([50, 8]))
+    weights = [tf.Variable(w) for w in W_VALUES]
+    ids = tf.constant([1, 3, 3, 7, 49, 0, 2, 5, 8, 9, 10, 11, 12, 13, 14, 15])
+
+    def record(tape, x):
+        h = tf.nn.embedding_lookup(table, ids) + x
+        return _chain(h, weights)
+
+    seed = RNG.standard_normal([16, 8])
+
+    @tf.function
+    def step(x):
+        results = []
+        for tape_class in (tf.GradientTape, memsave.GradientTape):
+            with tape_class(persistent=True) as tape:
+                target = record(tape, x)
+            first = tape.gradient(target, [table] + weights, output_gradients=tf.constant(seed))
+            second = tape.gradient(tf.reduce_sum(target), weights)  # (persistent: again)
+            results.append((first, second))
+        return results
+
+    (expected, expected_again), (got, got_again) = step(tf.constant(X))
+    assert isinstance(expected[0], tf.IndexedSlices) and isinstance(got[0], tf.IndexedSlices)
+    assert_same_gradients(_flat(expected), _flat(got), rtol=1e-12)
+    assert_same_gradients(_flat(expected_again), _flat(got_again), rtol=1e-12)
+
+
+def test_a_non_persistent_tape_answers_once():
+    weights = [tf.Variable(w) for w in W_VALUES[:2]]
+
+    @tf.function
+    def step(x):
+        with memsave.GradientTape() as tape:
+            target = tf.reduce_sum(_chain(x, weights))
+        tape.gradient(target, weights)
+        with pytest.raises(RuntimeError, match="non-persistent GradientTape"):
+            tape.gradient(target, weights)
+        return target
+    step(tf.constant(X))
+
+
+def test_eagerly_it_is_the_tape():
+    weights = [tf.Variable(w) for w in W_VALUES[:2]]
+    results = []
+    for tape_class in (tf.GradientTape, memsave.GradientTape):
+        with tape_class() as tape:
+            target = tf.reduce_sum(_chain(tf.constant(X), weights))
+        results.append(tape.gradient(target, weights))
+    assert_same_gradients(_flat(results[0]), _flat(results[1]), rtol=0)
+
+
+def test_jacobian_is_the_tapes():
+    w = tf.Variable(W_VALUES[0])
+
+    @tf.function
+    def step(x):
+        results = []
+        for tape_class in (tf.GradientTape, memsave.GradientTape):
+            with tape_class() as tape:
+                y = tf.tanh(tf.matmul(x[:2], w))
+            results.append(tape.jacobian(y, w))
+        return results
+    expected, got = step(tf.constant(X))
+    np.testing.assert_array_equal(expected.numpy(), got.numpy())
+
+
+def test_patch_routes_gradient_tapes_and_restores_them():
+    original = tf.GradientTape
+    weights = [tf.Variable(w) for w in W_VALUES]
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            target = tf.reduce_sum(_chain(x, weights) ** 2)
+        assert isinstance(tape, memsave.GradientTape)
+        return tape.gradient(target, weights)
+
+    with memsave.patch(checkpoints="memory"):
+        assert tf.GradientTape is not original and tf.autodiff.GradientTape is tf.GradientTape
+        got = step(tf.constant(X))
+        report = memsave.last_report()
+    assert tf.GradientTape is original and tf.autodiff.GradientTape is original
+    assert report.strategy == "memory" and report.fallback is None and report.segments
+    expected = tf.function(lambda x: tf.gradients(tf.reduce_sum(_chain(x, weights) ** 2),
+                                                  weights))(tf.constant(X))
+    assert_same_gradients(_flat(expected), _flat(got), rtol=1e-12)
+
+
+def test_keras_fit_under_the_patch_computes_with_memsave():
+    keras = pytest.importorskip("keras")
+    y = np.linspace(-1.0, 1.0, 16).reshape(16, 1)
+
+    def fit(patched):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,))]
+                                 + [keras.layers.Dense(16, activation="tanh", dtype="float64")
+                                    for _ in range(6)] + [keras.layers.Dense(1, dtype="float64")])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        if patched:
+            with memsave.patch(checkpoints="memory"):
+                model.fit(X, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+            report = memsave.last_report()
+            assert report is not None and report.fallback is None and report.segments
+        else:
+            model.fit(X, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        return [w.numpy() for w in model.weights]
+
+    expected, got = fit(False), fit(True)
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
