@@ -108,9 +108,12 @@ def _strategy_gradient_fn(strategy, model, offload=False):
         def compute(ys, xs):
             chosen = model.block_outputs[every - 1::every]
             return memsave.gradients(ys, xs, checkpoints=chosen, offload=offload)
+    elif strategy.partition(":")[0] in TAPE_KINDS and strategy.partition(":")[2] in MEMSAVE_STRATEGIES:
+        return _tape_gradient_fn(strategy, offload)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; use {BASELINE}, "
-                         f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F or every:K")
+                         f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F, every:K, tape:S or "
+                         "patched-tape:S (S a strategy name)")
 
     timings = {"grad_build_s": 0.0}
 
@@ -123,6 +126,40 @@ def _strategy_gradient_fn(strategy, model, offload=False):
         timings["grad_build_s"] += time.perf_counter() - start
         return result
 
+    return grad_fn, timings
+
+
+# A training step written with a GradientTape: 'tape:S' records it on a
+# memsave.GradientTape(checkpoints=S); 'patched-tape:S' on a plain tf.GradientTape with
+# the step traced under memsave.patch(checkpoints=S).
+TAPE_KINDS = ("tape", "patched-tape")
+
+
+def _tape_gradient_fn(strategy, offload=False):
+    """(grad_fn, timings) of a 'tape:S' or 'patched-tape:S' config (see TAPE_KINDS):
+    grad_fn carries the tape to record the step on (models.BenchModel.make_step)."""
+    import tensorflow as tf
+
+    import memsave
+
+    kind, name = strategy.split(":", 1)
+    timings = {"grad_build_s": 0.0}
+
+    def grad_fn(ys, xs):  # (not called: the step records on grad_fn.tape)
+        raise AssertionError("a tape config records its forward pass on a tape")
+
+    if kind == "tape":
+        grad_fn.tape = lambda: memsave.GradientTape(checkpoints=name, offload=offload)
+    else:
+        grad_fn.tape = lambda: tf.GradientTape()  # (looked up while the patch is active)
+        grad_fn.context = lambda: memsave.patch(checkpoints=name, offload=offload)
+
+    def gradient(tape, ys, xs):
+        start = time.perf_counter()
+        result = tape.gradient(ys, xs)
+        timings["grad_build_s"] += time.perf_counter() - start
+        return result
+    grad_fn.gradient = gradient
     return grad_fn, timings
 
 
@@ -834,8 +871,10 @@ def main(argv=None):
     parser.add_argument("--strategies", default=None,
                         help="comma-separated, from tf.gradients, speed, memory, collection, "
                              "budget:F (memsave.budget(F), F a fraction or e.g. 200MB), every:K "
-                             "(explicit list: every K-th block output); default: all that apply "
-                             "to the model")
+                             "(explicit list: every K-th block output), tape:S (the step recorded "
+                             "on memsave.GradientTape(checkpoints=S)), patched-tape:S (on "
+                             "tf.GradientTape under memsave.patch(checkpoints=S)); default: all "
+                             "that apply to the model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--app", default=None,
                         help="keras.applications model for --model keras (default ResNet50)")

@@ -1,4 +1,5 @@
-"""Peak memory of one Keras 3 `model.fit` step: plain Keras against memsave.keras.
+"""Peak memory of one Keras 3 `model.fit` step: plain Keras against memsave.keras and
+against plain Keras under `memsave.patch` (its fit's tf.GradientTape computed by memsave).
 
     python benchmarks/keras_fit_memory.py                      # 24 Dense layers, batch 2048
     python benchmarks/keras_fit_memory.py --depth 48 --width 512 --checkpoints memory speed
@@ -72,11 +73,14 @@ def synthetic_batch(batch, width, classes, seed=1):
 
 
 def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["width"],
-                     batch=DEFAULTS["batch"], classes=DEFAULTS["classes"], jit_compile=False):
+                     batch=DEFAULTS["batch"], classes=DEFAULTS["classes"], jit_compile=False,
+                     patched=False):
     """In a fresh process: peak bytes of one `fit` step (one batch, one epoch).
 
     Args:
       checkpoints: None for plain Keras, else the memsave strategy name.
+      patched: a plain keras.Model fitted under memsave.patch(checkpoints=...), not a
+        memsave.keras.MemsaveModel.
       depth, width, batch, classes: model and batch size.
       jit_compile: compile's jit_compile (True: the step is compiled by XLA).
     Returns:
@@ -86,14 +90,22 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
 
     from memsave.measure import peak_memory_bytes
 
-    model = build_model(depth, width, classes, checkpoints)
+    import contextlib
+
+    model = build_model(depth, width, classes, None if patched else checkpoints)
     model.compile(optimizer=keras.optimizers.SGD(0.05),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit_compile)
     x, y = synthetic_batch(batch, width, classes)
-    first = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
-    peak, history = peak_memory_bytes(
-        lambda: model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False))
+    if patched:
+        import memsave
+        context = memsave.patch(checkpoints=checkpoints)
+    else:
+        context = contextlib.nullcontext()
+    with context:
+        first = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        peak, history = peak_memory_bytes(
+            lambda: model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False))
     return {"peak": int(peak),
             "losses": [float(first.history["loss"][0]), float(history.history["loss"][0])]}
 
@@ -108,22 +120,26 @@ def compare(strategies=("memory",), timeout=600, jobs=1, **sizes):
         side does not mix them; only wall time changes).
       **sizes: depth, width, batch, classes, jit_compile.
     Returns:
-      A list of rows {"config", "peak", "ratio", "losses"}; plain Keras first.
+      A list of rows {"config", "peak", "ratio", "losses"}: plain Keras first, then
+      memsave.keras per strategy, then plain Keras under memsave.patch per strategy.
     """
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    configs = [None] + list(strategies)
+    configs = [(None, False)] + [(s, False) for s in strategies] + [(s, True) for s in strategies]
 
-    def run(checkpoints):
+    def run(config):
+        checkpoints, patched = config
         return measure.run_isolated(TARGET, timeout=timeout, env=env, checkpoints=checkpoints,
-                                    **sizes)
+                                    patched=patched, **sizes)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         results = list(pool.map(run, configs))
     base = results[0]
     rows = []
-    for checkpoints, result in zip(configs, results):
-        rows.append({"config": "keras (GradientTape)" if checkpoints is None
-                     else f"memsave.keras ({checkpoints})",
+    for (checkpoints, patched), result in zip(configs, results):
+        label = ("keras (GradientTape)" if checkpoints is None else
+                 f"keras under memsave.patch ({checkpoints})" if patched else
+                 f"memsave.keras ({checkpoints})")
+        rows.append({"config": label,
                      "peak": result["peak"], "ratio": result["peak"] / base["peak"],
                      "losses": result["losses"]})
     return rows

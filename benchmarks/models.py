@@ -25,6 +25,7 @@ model marks nothing. Each traced forward pass also lists its block outputs in
 `model.block_outputs`, for explicit checkpoint lists (`every:K` in compare.py).
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -73,13 +74,24 @@ class BenchModel:
         """A `tf.function` step(features, labels) -> (loss, gradients).
 
         `grad_fn(ys, xs)` is called once per trace with the loss and the variables;
-        jit_compile=True compiles the step with XLA.
+        where it has a `tape` attribute (a callable making a GradientTape), the forward
+        pass is recorded on that tape instead and `grad_fn.gradient(tape, loss, xs)`
+        takes the gradients; its `context` attribute, where it has one, is entered around
+        the whole step (memsave.patch). jit_compile=True compiles the step with XLA.
         """
         variables = self.variables
+        make_tape = getattr(grad_fn, "tape", None)
+        context = getattr(grad_fn, "context", contextlib.nullcontext)
 
         def step(*inputs):
-            loss = self.loss(*inputs)
-            grads = grad_fn(loss, variables)
+            with context():
+                if make_tape is None:
+                    loss = self.loss(*inputs)
+                    grads = grad_fn(loss, variables)
+                else:
+                    with make_tape() as tape:
+                        loss = self.loss(*inputs)
+                    grads = grad_fn.gradient(tape, loss, variables)
             return loss, list(grads)
 
         return tf.function(step, autograph=False, jit_compile=jit_compile)
