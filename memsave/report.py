@@ -213,13 +213,20 @@ def _mb(n):
     return f"{n / 2**20:.2f} MB"
 
 
+_latest_of_any_thread = [None]
+
+
 def record(report):
     """Makes `report` the one `last_report()` returns (per thread) and logs it."""
     _latest.report = report
+    _latest_of_any_thread[0] = report
     report.log()
     return report
 
 
 def last_report():
-    """The RewriteReport of the latest memsave.gradients call in this thread, or None."""
-    return getattr(_latest, "report", None)
+    """The RewriteReport of the latest memsave.gradients call in this thread; where this
+    thread made none, that of the latest call in any thread (tf.distribute runs each
+    replica's step in a thread of its own); None before any."""
+    report = getattr(_latest, "report", None)
+    return report if report is not None else _latest_of_any_thread[0]
