@@ -197,3 +197,31 @@ def test_a_y_read_by_a_later_segment_is_differentiated_once(graph_kind):
 
     expected, got = evaluate(graph_kind, body, {"x": X})
     assert_same_gradients([expected], [got], rtol=1e-12)
+
+
+@pytest.mark.parametrize("graph_kind", KINDS)
+@pytest.mark.parametrize("strategy", ["list", "memory"])
+def test_a_split_with_one_output_a_y_and_the_other_read_by_a_segment(graph_kind, strategy):
+    """ys [a, f(b)] with a, b = split(h) and f's tanh a checkpoint: the split is needed by
+    the last segment (for a) and by the checkpoint's segment (for b), so both its outputs
+    are kept and it heads a segment of its own, differentiated once with both gradients
+    (the builder copying the planner's segments crashed here: benchmarks/fuzz.py, seed
+    5047 and nine more of 5000..5999)."""
+    def body(graph, inputs):
+        x = inputs["x"]
+        w = tf.constant(np.linspace(-0.5, 0.8, 9).reshape(3, 3))
+        h = tf.tanh(tf.matmul(x, w))
+        a, b = tf.split(h, [1, 2], axis=1)
+        c = tf.tanh(b * 1.5)
+        ys = [a, tf.reduce_sum(tf.sin(c) * c)]
+        reference = tf.compat.v1.gradients(ys, [x, w])
+        with memsave.always_rewrite():
+            got = memsave.gradients(ys, [x, w], checkpoints=[c] if strategy == "list"
+                                    else strategy)
+        report = memsave.last_report()
+        assert report.fallback is None, report.fallback
+        assert a.name in [info.name for info in report.checkpoints]
+        return reference + got
+
+    values = evaluate(graph_kind, body, {"x": X})
+    assert_same_gradients(values[:2], values[2:], rtol=1e-12)

@@ -111,13 +111,14 @@ class Segmentation:
             for _, need in needs:
                 segment = _merge(segment, need)
             if segment == _SEVERAL:
-                promotable = [t for t, need in needs if need is not None and not graph.is_y[t]]
+                # Every output some segment needs is kept, a y among them too (one output
+                # of a split that the last segment ends at, the other read earlier): the op
+                # then heads one segment, differentiated once with all its gradients.
+                promotable = [t for t, need in needs if need is not None]
                 self.shared.extend(promotable)
                 kept.update(promotable)
-                if promotable:
-                    heads.add(op)
-                if not any(need is not None and graph.is_y[t] for t, need in needs):
-                    segment = op
+                heads.add(op)
+                segment = op
             self.segment_of[op] = segment
 
     def _need(self, t):
