@@ -1,9 +1,12 @@
 """The builder: builds a memsave.planning.Plan into the graph, and nothing else.
 
-It takes no decisions: the Plan says which tensors are kept, which are offloaded,
-the parts of the backward pass in their order, whether segments read their
-checkpoints, recompute ahead, order their large gradient ops. For each part, in that
-order:
+It decides nothing about the plan: the Plan says which tensors are kept, which are
+offloaded, the parts of the backward pass in their order and the ops of each segment,
+whether segments read their checkpoints, recompute ahead, order their large gradient
+ops (and which are large), which weight gradients come last. What it works out is how:
+which gradients actually arrived (a checkpoint in stop_gradients, or one no gradient
+reaches, ends nothing, so its segment copies only what the others need), and where each
+wait goes. For each part, in the Plan's order:
 
 - a segment's ops are copied, reading their inputs (checkpoints, kept ops' outputs,
   tensors from outside the region) through identities of their own, which its
@@ -45,10 +48,6 @@ logger = logging.getLogger(__name__)
 # The real tf.gradients, captured at import: memsave.patch() may replace the public
 # names, and the per-segment calls must still reach TensorFlow's own implementation.
 tf_gradients = tf.compat.v1.gradients
-
-# Gradient ops whose outputs hold at least 1/_LARGE_FRACTION of the step's largest
-# tensor are "large" (Plan.orders_backward).
-_LARGE_FRACTION = 16
 
 
 def build(plan, ys, xs, grad_ys, options):
@@ -109,7 +108,6 @@ def _check_acyclic(new_ops):
         "were returned; this is a bug in memsave, please report it with the model. Meanwhile, "
         "another strategy (e.g. checkpoints='memory' or a list) or tf.gradients avoids it",
         hint=DEBUG_HINT)
-
 
 
 class _Builder:
@@ -261,7 +259,7 @@ class _Builder:
             if self.plan.orders_backward:
                 ordering.one_after_another(ordering.large_ops_needed_by(
                     grads, made_before, deferred,
-                    self.step_graph.largest_bytes // _LARGE_FRACTION))
+                    self.plan.large_bytes))
             if gate is not None:
                 # The gradients leave the segment materialised too: XLA would otherwise
                 # fuse their last elementwise ops into the next segments' readers and keep

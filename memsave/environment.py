@@ -1,8 +1,9 @@
 """What a plan is made for: the machine, the graph's compiler, the call's settings.
 
 Read once per call (`Environment.read`) and handed to the planner and the builder,
-so no layer asks TensorFlow or the process environment again and the two can never
-see different answers (a GPU appearing between planning and building, say).
+so within a call no layer asks TensorFlow or the process environment again and the two
+never see different answers. (Helpers for tests and benchmarks that build a memory model
+outside a call, `planner.model_of` and `allocator.of_device`, read it themselves.)
 """
 
 import dataclasses

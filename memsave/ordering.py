@@ -32,8 +32,6 @@ def serialize_conv_gradients(copied_ops, deferred=frozenset()):
                     _tf_private.add_control_inputs(consumer, [partner])
 
 
-
-
 def large_ops_needed_by(grads, made_before, excluded, min_bytes):
     """The ops made after the op numbered `made_before` (a segment's tf.gradients call)
     that its gradients `grads` need, but those in `excluded` (deferred weight gradients)

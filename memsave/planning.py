@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 # A plan must predict at least this much less than tf.gradients to be used.
 _MIN_PREDICTED_SAVING = 0.02
+# Gradient ops whose outputs hold at least 1/_LARGE_FRACTION of the step's largest
+# tensor are "large" (Plan.orders_backward).
+_LARGE_FRACTION = 16
 # A plan reads its checkpoints, or recomputes ahead, where the strategy did not decide
 # and that raises its predicted peak by at most this much.
 _FREE_PEAK_TOLERANCE = 0.01
@@ -48,15 +51,17 @@ class Plan:
       environment: the memsave.environment.Environment it was made for.
       step_graph: the memory model's StepGraph (op and tensor ids, what is small,
         which weight gradients are made last).
-      checkpoints: the kept Choices in forward order: the strategy's, then those every
-        plan must end segments at and those several segments read (with reasons).
+      checkpoints: the kept Choices, in forward order: the strategy's, those every plan
+        must end segments at, and those several segments read (each with its reason).
       dropped: (tensor name, why) of the choices that could not be kept.
       offloaded: names of the checkpoints that wait in host memory.
       offload: the memsave.Offload they go with (prefetch), or None.
       reads_checkpoints: segments read the checkpoint they end at as the forward pass
         made it (ForwardReads), not from a recomputed copy.
       recomputes_ahead: each segment's copies wait for the previous segment's trigger.
-      orders_backward: each segment's large gradient ops run one after another.
+      orders_backward: each segment's large gradient ops run one after another: those
+        whose outputs hold at least `large_bytes`.
+      large_bytes: 1/16 of the step's largest tensor.
       serializes_conv_gradients: each copied convolution's input gradient waits for
         its filter gradient (TensorFlow's own CPU kernels: one im2col buffer at a time).
       forward_reads: which tensors segments' gradients read from the forward pass.
@@ -82,6 +87,7 @@ class Plan:
     reads_checkpoints: bool = False
     recomputes_ahead: bool = False
     orders_backward: bool = False
+    large_bytes: int = 0
     serializes_conv_gradients: bool = False
     forward_reads: Optional[ForwardReads] = None
     deferred: FrozenSet[int] = frozenset()
@@ -174,6 +180,7 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         # in the order of making would close a cycle.
         orders_backward=(selection.order_backward and not environment.under_xla
                          and not environment.conv_threads),
+        large_bytes=graph.largest_bytes // _LARGE_FRACTION,
         serializes_conv_gradients=environment.conv_threads > 0,
         forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints),
         deferred=frozenset(graph.deferred_tensors))
@@ -197,7 +204,10 @@ def _offloaded(kept, problem):
     """Names of the checkpoints that wait in host memory: those that may (large enough,
     on another device than the host), but where a planner chose (Choice.offload not
     None), only those it chose."""
-    options, accelerator = problem.offload, problem.environment.accelerator
+    options = problem.offload
+    if options is None:
+        return frozenset()
+    accelerator = offload_lib.has_accelerator()
     chosen = None
     if any(c.offload is not None for c in kept):
         chosen = {c.tensor.name for c in kept if c.offload}
@@ -305,8 +315,9 @@ def _with_shared_tensors(kept, graph, region):
     segmentation = Segmentation(graph, [graph.id_of(c.tensor) for c in kept])
     added = [Choice(graph.tensors[t], _Y_READ_BY_REGION if graph.is_y[t] else _READ_BY_KEPT_OP)
              for t in segmentation.forced]
-    added += [Choice(graph.tensors[t], "read by several segments: kept so it is recomputed "
-                     "once") for t in segmentation.shared]
+    added += [Choice(graph.tensors[t], _Y_OF_A_SHARED_OP if graph.is_y[t] else
+                     "read by several segments: kept so it is recomputed once")
+              for t in segmentation.shared]
     if not added:
         return kept, segmentation
     logger.debug("memsave: keeping %d tensors read by ops that are not recomputed and %d read "
@@ -320,6 +331,8 @@ _READ_BY_KEPT_OP = ("read by an op that is not recomputed (control flow, a state
                     "segment ends there, so that op's gradient is taken once")
 _Y_READ_BY_REGION = ("one of the ys, read by recomputed ops: a segment ends there, so the ops "
                      "making it are differentiated once")
+_Y_OF_A_SHARED_OP = ("one of the ys, made by an op whose other outputs other segments read: a "
+                     "segment ends at all of them, so the op is differentiated once")
 
 
 def _no_checkpoints_message(strategy_name, region):

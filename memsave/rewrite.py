@@ -23,6 +23,7 @@ from memsave import offload as offload_lib
 from memsave import report as report_lib
 from memsave.environment import ALWAYS_REWRITE_ENV, Environment
 from memsave.errors import MemsaveError, MemsaveTypeError, MemsaveWarning
+from memsave.graph import _tf_private
 from memsave.graph.select import TensorSet
 from memsave.planner import Problem, check_unknown_dim_size
 from memsave.planning import make_plan
@@ -142,6 +143,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
     if call.delegate:
         return _plain_gradients(_plain_report(strategy_name, call.delegate), explicit,
                                 ys, xs, grad_ys, options)
+    if _tf_private.a_tape_is_recording():
+        return _plain_gradients(_plain_report(strategy_name, _TAPE_RECORDING), explicit,
+                                ys, xs, grad_ys, options)
     options.stop = TensorSet(call.stop)
     with call.graph.as_default():
         region = ForwardRegion.build(call.ys, call.xs)
@@ -170,6 +174,11 @@ def _problem(region, environment, strategy, offload, unknown_dim_size=None):
 
 
 _UNCONNECTED = "none of the ys depends on any of the xs"
+# A tape recording around the call would not record memsave's copies (made by the graph
+# editor, not TensorFlow's op wrappers), and its own gradients through them would be
+# wrong: tf.gradients' ops it records.
+_TAPE_RECORDING = ("a tf.GradientTape is recording around this call (a higher-order gradient "
+                   "taken with a tape), which would not record memsave's recomputed copies")
 
 
 def _plain_report(strategy_name, reason, region=None):

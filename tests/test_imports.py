@@ -30,7 +30,10 @@ FORBIDDEN = {
     "memsave.planning": ["memsave.build", "memsave.rewrite", "memsave.integrations"],
     "memsave.build": ["memsave.planning", "memsave.rewrite", "memsave.planner",
                       "memsave.strategies", "memsave.integrations"],
-    "memsave.rewrite": ["memsave.integrations", "memsave.calibration"],
+    "memsave.rewrite": ["memsave.integrations", "memsave.calibration", "memsave.tape"],
+    "memsave.ordering": ["memsave.planner", "memsave.strategies", "memsave.planning",
+                         "memsave.build", "memsave.rewrite"],
+    "memsave.tape": ["memsave.integrations", "memsave.calibration"],
 }
 
 

@@ -99,3 +99,19 @@ def test_a_plan_is_frozen():
         plan = _hand_written_plan(x, outputs, loss, [outputs[3]], recompute_ahead=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.recomputes_ahead = True
+
+
+def test_a_union_takes_a_planners_selection():
+    """lowest_peak and budget return a Selection (choices with hints): a union of them
+    with other strategies keeps their choices (and drops the hints)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x, outputs, loss = _tanh_chain()
+        memsave.mark_checkpoint(outputs[4])
+        strategy = memsave.strategies.union(memsave.strategies.lowest_peak(),
+                                            memsave.strategies.marked_tensors())
+        report = memsave.plan(loss, [x], checkpoints=strategy)
+        alone = memsave.plan(loss, [x], checkpoints="memory")
+    names = [c.name for c in report.checkpoints]
+    assert outputs[4].name in names
+    assert {c.name for c in alone.checkpoints} <= set(names)

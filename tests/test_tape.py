@@ -217,3 +217,108 @@ def test_keras_fit_under_the_patch_computes_with_memsave():
     expected, got = fit(False), fit(True)
     for e, g in zip(expected, got):
         np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-14)
+
+
+def _tape_and_memsave(step_body, *args):
+    """step_body(tape_class, *args) traced in one tf.function per tape class."""
+    results = []
+    for tape_class in (tf.GradientTape, memsave.GradientTape):
+        results.append(tf.function(lambda *a, c=tape_class: step_body(c, *a),
+                                   autograph=False)(*args))
+    return results
+
+
+def test_gradients_of_intermediate_tensors_and_tensors_watched_late():
+    """A source the tape computed (a layer's output, as Grad-CAM asks) has a gradient;
+    an op made before its input was watched is not recorded."""
+    weights = [tf.Variable(w) for w in W_VALUES[:4]]
+
+    def body(tape_class, x):
+        with tape_class(watch_accessed_variables=False) as tape:
+            tape.watch(weights[0])
+            early = x * x              # made before x is watched: not recorded
+            tape.watch(x)
+            h = _chain(x + early, weights[:2])
+            target = tf.reduce_sum(_chain(h, weights[2:]) ** 2)
+        return tape.gradient(target, {"x": x, "h": h, "w": weights[:2], "early": early})
+
+    expected, got = _tape_and_memsave(body, tf.constant(X))
+    assert tf.nest.map_structure(lambda g: g is None, expected) == \
+        tf.nest.map_structure(lambda g: g is None, got)
+    assert got["h"] is not None and got["w"][1] is None and got["early"] is None
+    assert_same_gradients([g for g in _flat(expected) if g is not None],
+                          [g for g in _flat(got) if g is not None], rtol=1e-12)
+
+
+def test_zeros_for_unwatched_sources_of_unknown_shape():
+    weights = [tf.Variable(w) for w in W_VALUES]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float64)])
+    def step(x):
+        unwatched = x * 3.0
+        with memsave.GradientTape() as tape:
+            target = tf.reduce_sum(_chain(x, weights) ** 2)
+        return tape.gradient(target, [unwatched] + weights, unconnected_gradients="zero")
+    got = step(tf.constant(X))
+    np.testing.assert_array_equal(got[0].numpy(), np.zeros_like(X))
+
+
+def test_a_non_persistent_tape_entered_again_starts_afresh():
+    weights = [tf.Variable(w) for w in W_VALUES[:3]]
+
+    def body(tape_class, x):
+        tape = tape_class()
+        with tape:
+            first = tf.reduce_sum(_chain(x, weights))
+        a = tape.gradient(first, weights)
+        with tape:
+            second = tf.reduce_sum(_chain(x * 2.0, weights[1:]))
+        return a, tape.gradient(second, weights)
+
+    (expected_a, expected_b), (got_a, got_b) = _tape_and_memsave(body, tf.constant(X))
+    assert expected_b[0] is None and got_b[0] is None
+    assert_same_gradients(_flat(expected_a), _flat(got_a), rtol=1e-12)
+    assert_same_gradients(_flat(expected_b)[1:], _flat(got_b)[1:], rtol=1e-12)
+
+
+def test_second_order_gradients_with_an_outer_tape_are_exact():
+    """An outer tape does not record memsave's copies: inside one, memsave answers as the
+    plain tape (and memsave.gradients as tf.gradients), so the outer gradient is right."""
+    weights = [tf.Variable(w) for w in W_VALUES]
+
+    def body(tape_class, x):
+        with tf.GradientTape() as outer:
+            with tape_class() as inner:
+                target = tf.reduce_sum(tf.sin(_chain(x, weights)) ** 2)
+            grads = inner.gradient(target, weights)
+            penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+        return outer.gradient(penalty, weights)
+
+    expected, got = _tape_and_memsave(body, tf.constant(X))
+    assert_same_gradients(_flat(expected), _flat(got), rtol=1e-12)
+
+    @tf.function
+    def with_gradients(x):
+        with tf.GradientTape() as outer:
+            target = tf.reduce_sum(tf.sin(_chain(x, weights)) ** 2)
+            grads = memsave.gradients(target, weights, checkpoints="memory")
+            penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+        return outer.gradient(penalty, weights)
+    assert_same_gradients(_flat(expected), _flat(with_gradients(tf.constant(X))), rtol=1e-12)
+    report = memsave.last_report()
+    assert report.fallback and "GradientTape is recording" in report.fallback
+
+
+def test_a_tape_made_outside_the_patch_is_the_plain_tape():
+    with memsave.patch(checkpoints="memory"):
+        patched_class = tf.GradientTape
+    weights = [tf.Variable(w) for w in W_VALUES]
+    memsave.report._latest.report = memsave.report._latest_of_any_thread[0] = None
+
+    @tf.function
+    def step(x):
+        with patched_class() as tape:
+            target = tf.reduce_sum(_chain(x, weights) ** 2)
+        return tape.gradient(target, weights)
+    step(tf.constant(X))
+    assert memsave.last_report() is None

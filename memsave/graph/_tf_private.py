@@ -35,6 +35,14 @@ def creation_index(op):
     return op._id
 
 
+def a_tape_is_recording():
+    """Whether a tf.GradientTape (or a forward accumulator) is recording now: ops it
+    records must be made through TensorFlow's op wrappers, which the graph editor's
+    copies are not."""
+    from tensorflow.python.eager import record
+    return bool(record.could_possibly_record())
+
+
 def ops_made(graph):
     """The creation index of the last op `graph` made (0 before any): ops made later have
     larger ones."""

@@ -17,9 +17,12 @@ While a patch is active these names compute their gradients with memsave:
   `tensorflow.python.ops.gradients_impl.gradients` (the second-order calls those
   make inside a while loop take tensors of the enclosing graph, which memsave
   leaves to plain tf.gradients: see memsave.inputs);
-- `tf.GradientTape` (also `tf.autodiff.GradientTape`): tapes made while the patch is
-  active are memsave.GradientTape with the patch's strategy (Keras' own `fit` makes
-  one per traced train step, so a plain `model.fit` under the patch saves memory).
+- `tf.GradientTape` (also `tf.autodiff.GradientTape`, `tf.compat.v1/v2.GradientTape`):
+  tapes made while the patch is active are memsave.GradientTape with the patch's
+  strategy (Keras' own `fit` makes one when it traces its train step, so a plain
+  `model.fit` first called under the patch saves memory; Keras keeps that traced step,
+  so it keeps saving after the patch, and a step traced before the patch never saves).
+  A tape made while no patch is active answers as tf.GradientTape.
 
 On exit, also when the body raises, every one of them is put back exactly as it
 was (the same object, or no attribute if there was none). Patches nest: the
@@ -52,7 +55,7 @@ _API_SITES = ("", "compat.v2", "compat.v1")      # tf.gradients, tf.compat.v{2,1
 _MODULE_SITES = ("tensorflow.python.ops.gradients", "tensorflow.python.ops.gradients_impl")
 _ATTRIBUTE = "gradients"
 # Where tf.GradientTape is looked up (from the `tensorflow` module).
-_TAPE_SITES = ("", "autodiff")
+_TAPE_SITES = ("", "autodiff", "compat.v1", "compat.v2")
 _TAPE_ATTRIBUTE = "GradientTape"
 
 _lock = threading.RLock()
@@ -192,9 +195,12 @@ def _patched_tape_class(original):
 
             def __init__(self, persistent=False, watch_accessed_variables=True):
                 with _lock:
-                    checkpoints, offload = (_active[-1][1] if _active
-                                            else ("collection", False))
-                super().__init__(persistent, watch_accessed_variables, checkpoints, offload)
+                    setting = _active[-1][1] if _active else None
+                super().__init__(persistent, watch_accessed_variables,
+                                 *(setting or ("collection", False)))
+                # Made while no patch is active (a subclass or a name imported while one
+                # was): the plain tape.
+                self._as_tape = setting is None
 
             def gradient(self, *args, **kwargs):
                 if _in_memsave():
@@ -221,7 +227,7 @@ def _uninstall():
             errors.append(f"{getattr(owner, '__name__', owner)}: {err}")
     _originals.clear()
     if errors:
-        raise MemsaveError("could not restore every patched tf.gradients: "
+        raise MemsaveError("could not restore every patched tf.gradients and tf.GradientTape: "
                            + "; ".join(errors)
                            + ". Restart the Python process to get a clean TensorFlow.")
     _log.debug("memsave.patch: restored the original gradients functions")

@@ -279,7 +279,7 @@ class MemoryModel:
             forward reader, and again from the start of the segment `prefetch`
             segments before each segment that reads them to that segment's last read.
           prefetch, flops_per_byte: as memsave.Offload's (default flops_per_byte:
-            memsave.offload.costs.DEFAULT_FLOPS_PER_BYTE).
+            memsave.planner.costs.DEFAULT_FLOPS_PER_BYTE).
           allocator: also replay the step through the model's allocator
             (`allocator_peak_bytes`); searches rank plans without it, which is
             cheaper, and ask for it where a plan is checked against a limit or reported.

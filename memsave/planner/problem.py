@@ -17,7 +17,8 @@ class Problem:
       region: the memsave.region.ForwardRegion.
       environment: the memsave.environment.Environment.
       unknown_dim_size: the size the memory model assumes for unknown dimensions.
-      offload: the call's memsave.Offload, or None (none, or under XLA).
+      offload: the call's memsave.Offload where it can offload (memsave.offload.usable:
+        not under XLA), else None.
       model: the MemoryModel of the step, built on first use.
     """
 
@@ -25,7 +26,7 @@ class Problem:
         self.region = region
         self.environment = environment
         self.unknown_dim_size = unknown_dim_size
-        self.offload = None if environment.under_xla else offload
+        self.offload = offload
         self._model = None
 
     @property

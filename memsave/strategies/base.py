@@ -66,11 +66,13 @@ def keep_if(predicate, reason):
 
 
 def union(*strategies):
-    """A strategy keeping what any of `strategies` keeps (first reason wins)."""
+    """A strategy keeping what any of `strategies` keeps (first reason wins). Members'
+    hints (a planner's Selection) are dropped: the union is a plan none of them made, so
+    the plan decides how to run it."""
     def strategy(region):
         seen, choices = TensorSet(), []
         for member in strategies:
-            for choice in member(region):
+            for choice in selection_of(member(region)).choices:
                 if choice.tensor not in seen:
                     seen.add(choice.tensor)
                     choices.append(choice)
