@@ -70,11 +70,12 @@ _originals = {}
 _local = threading.local()
 
 
-def _sites():
-    """The objects whose `gradients` attribute a patch replaces, in patch order."""
+def _owners(api_paths, module_names=()):
+    """The objects at `api_paths` (dotted paths from the `tensorflow` module) and the
+    modules `module_names`, each once, in that order."""
     import tensorflow as tf
     owners = []
-    for path in _API_SITES:
+    for path in api_paths:
         owner = tf
         for part in filter(None, path.split(".")):
             owner = getattr(owner, part)
@@ -84,12 +85,22 @@ def _sites():
             # tf.compat.v1 is a TFModuleWrapper: its setattr also writes the module
             # it wraps; save that module's slot too so it is restored exactly.
             owners.append(wrapped)
-    owners.extend(importlib.import_module(name) for name in _MODULE_SITES)
+    owners.extend(importlib.import_module(name) for name in module_names)
     unique = []
     for owner in owners:
         if all(owner is not seen for seen in unique):
             unique.append(owner)
     return unique
+
+
+def _sites():
+    """The objects whose `gradients` attribute a patch replaces, in patch order."""
+    return _owners(_API_SITES, _MODULE_SITES)
+
+
+def _tape_sites():
+    """The objects whose `GradientTape` attribute a patch replaces."""
+    return _owners(_TAPE_SITES)
 
 
 def _in_memsave():
@@ -128,25 +139,6 @@ def _make_dispatcher(original):
     gradients.__wrapped__ = original
     gradients.memsave_original = original
     return gradients
-
-
-def _tape_sites():
-    """The objects whose `GradientTape` attribute a patch replaces."""
-    import tensorflow as tf
-    owners = []
-    for path in _TAPE_SITES:
-        owner = tf
-        for part in filter(None, path.split(".")):
-            owner = getattr(owner, part)
-        owners.append(owner)
-        wrapped = vars(owner).get("_tfmw_wrapped_module")
-        if wrapped is not None:
-            owners.append(wrapped)
-    unique = []
-    for owner in owners:
-        if all(owner is not seen for seen in unique):
-            unique.append(owner)
-    return unique
 
 
 def _install():
