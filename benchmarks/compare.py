@@ -110,6 +110,8 @@ def _strategy_gradient_fn(strategy, model, offload=False):
             return memsave.gradients(ys, xs, checkpoints=chosen, offload=offload)
     elif strategy.partition(":")[0] in TAPE_KINDS and strategy.partition(":")[2] in MEMSAVE_STRATEGIES:
         return _tape_gradient_fn(strategy, offload)
+    elif strategy.startswith(REMAT + ":") and strategy.partition(":")[2] in REMAT_MODES:
+        return _tape_gradient_fn(strategy, offload)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; use {BASELINE}, "
                          f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F, every:K, tape:S or "
@@ -133,6 +135,11 @@ def _strategy_gradient_fn(strategy, model, offload=False):
 # memsave.GradientTape(checkpoints=S); 'patched-tape:S' on a plain tf.GradientTape with
 # the step traced under memsave.patch(checkpoints=S).
 TAPE_KINDS = ("tape", "patched-tape")
+# Keras' own rematerialisation: 'remat:MODE' builds the Keras model inside
+# keras.RematScope(mode=MODE) (tf.recompute_grad per layer on this backend) and takes
+# the step's gradients with a plain tf.GradientTape, as Keras' fit does.
+REMAT = "remat"
+REMAT_MODES = ("full", "activations", "larger_than")
 
 
 def _tape_gradient_fn(strategy, offload=False):
@@ -150,6 +157,8 @@ def _tape_gradient_fn(strategy, offload=False):
 
     if kind == "tape":
         grad_fn.tape = lambda: memsave.GradientTape(checkpoints=name, offload=offload)
+    elif kind == REMAT:
+        grad_fn.tape = lambda: tf.GradientTape()
     else:
         grad_fn.tape = lambda: tf.GradientTape()  # (looked up while the patch is active)
         grad_fn.context = lambda: memsave.patch(checkpoints=name, offload=offload)
@@ -272,7 +281,11 @@ def _oom_line(text):
 
 
 def _first_line(text):
-    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")[:300]
+    """The first line of an error that says something (Keras lists the call's arguments
+    as '• name=value' lines before its message)."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    telling = [line for line in lines if not line.startswith("•")]
+    return (telling or lines or [""])[0][:300]
 
 
 def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path, model_options,
@@ -284,6 +297,11 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
 
     tf.random.set_seed(seed)
     device = measure.memory_device()
+    if strategy.startswith(REMAT + ":"):
+        if model_name != "keras":
+            raise ValueError(f"{strategy!r}: keras.RematScope applies to Keras layers; use it "
+                             "with --model keras")
+        model_options = dict(model_options, remat=strategy.partition(":")[2])
     model = build_model(model_name, depth=depth, batch=batch, seed=seed, **model_options)
     out = {"description": model.description, "parameters": model.num_parameters(),
            "marks_checkpoints": model.marks_checkpoints,
@@ -873,8 +891,9 @@ def main(argv=None):
                              "budget:F (memsave.budget(F), F a fraction or e.g. 200MB), every:K "
                              "(explicit list: every K-th block output), tape:S (the step recorded "
                              "on memsave.GradientTape(checkpoints=S)), patched-tape:S (on "
-                             "tf.GradientTape under memsave.patch(checkpoints=S)); default: all "
-                             "that apply to the model")
+                             "tf.GradientTape under memsave.patch(checkpoints=S)), remat:MODE "
+                             "(--model keras built in keras.RematScope(mode=MODE): full, "
+                             "activations, larger_than); default: all that apply to the model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--app", default=None,
                         help="keras.applications model for --model keras (default ResNet50)")

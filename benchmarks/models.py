@@ -288,21 +288,27 @@ def build_transformer(depth=8, batch=16, seed=0, seq_len=128, d_model=128, heads
 
 # ----------------------------------------------------------------------------- keras
 
-def build_keras(depth=0, batch=16, seed=0, app="ResNet50", image_size=64, classes=10):
+def build_keras(depth=0, batch=16, seed=0, app="ResNet50", image_size=64, classes=10,
+                remat=None):
     """A `keras.applications` model with random weights (`weights=None`, no download).
 
     `depth` is ignored (the application fixes it). Only the model's own forward pass
     runs inside the step, with `training=True` (batch norm uses batch statistics).
+    `remat`: build it inside `keras.RematScope(mode=remat)` (Keras 3.9+).
     """
+    import contextlib
+
     import keras
 
     keras.utils.set_random_seed(seed)
+    scope = keras.RematScope(mode=remat) if remat else contextlib.nullcontext()
     try:
         constructor = getattr(keras.applications, app)
     except AttributeError:
         raise ValueError(f"keras.applications has no model {app!r}; try ResNet50, "
                          f"MobileNetV2, DenseNet121") from None
-    net = constructor(weights=None, input_shape=(image_size, image_size, 3), classes=classes)
+    with scope:
+        net = constructor(weights=None, input_shape=(image_size, image_size, 3), classes=classes)
     variables = [v.value if hasattr(v, "value") else v for v in net.trainable_variables]
 
     def forward(model, images, labels):

@@ -94,6 +94,23 @@ def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
     assert "| strategy | peak MB |" in markdown and "| memory |" in markdown
 
 
+def test_compare_runs_tape_configs_and_refuses_remat_off_keras(tmp_path, capsys):
+    """'tape:S' and 'patched-tape:S' record the step on a tape (memsave's, or
+    tf.GradientTape under memsave.patch); 'remat:MODE' needs Keras layers."""
+    csv_path = tmp_path / "out.csv"
+    code = compare.main(["--model", "mlp", "--depth", "4", "--batch", "64", "--steps", "1",
+                         "--warmup", "0", "--strategies",
+                         "tf.gradients,tape:memory,patched-tape:memory,remat:activations",
+                         "--csv", str(csv_path), "--quiet"])
+    assert code == 0
+    rows = {row["strategy"]: row for row in _read_csv(csv_path)}
+    for name in ("tape:memory", "patched-tape:memory"):
+        assert rows[name]["status"] == "ok", rows[name]["message"]
+        assert float(rows[name]["max_rel_err"]) <= 1e-4
+    assert rows["remat:activations"]["status"] != "ok"
+    assert "--model keras" in rows["remat:activations"]["message"]
+
+
 def _small_compare(capsys, *flags):
     """compare.py on a 4-layer MLP, tf.gradients and 'memory', with `flags`; its output."""
     code = compare.main(["--model", "mlp", "--depth", "4", "--batch", "64", "--steps", "1",
