@@ -273,6 +273,19 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
     return result
 
 
+def _error_line(stderr):
+    """What a child's traceback says went wrong: the message of its last exception (the
+    line naming the error type, and Keras' bold message line where there is one), not
+    Keras' '• argument=value' lines after it."""
+    lines = [line.strip() for line in str(stderr).splitlines() if line.strip()]
+    telling = [line for line in lines if not line.startswith(("•", "File ", "^", "~"))]
+    bold = [line for line in telling if line.startswith("\x1b[1m")]
+    if bold:
+        return bold[-1].replace("\x1b[1m", "").replace("\x1b[0m", "")[:300]
+    errors = [line for line in telling if "Error" in line.split(":", 1)[0]]
+    return (errors or telling or [""])[-1][:300]
+
+
 def _oom_line(text):
     for line in str(text).splitlines():
         if "OOM when allocating" in line:
@@ -408,8 +421,7 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
                        "limit: counted as out of memory")
         else:
             status = "failed"
-            tail = [line for line in error.stderr.splitlines() if line.strip()]
-            message = tail[-1] if tail else str(error).splitlines()[0]
+            message = _error_line(error.stderr) or str(error).splitlines()[0]
         result = {"model": model, "strategy": strategy, "status": status, "message": message}
     if dump:
         dump.cleanup()
