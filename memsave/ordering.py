@@ -58,7 +58,8 @@ def one_after_another(ops):
     control inputs. An op's inputs exist before it is made, so every edge runs from an
     earlier-made op to a later-made one but the control inputs memsave adds pointing
     back (deferred weight gradients, which are left out; TensorFlow's own CPU
-    convolution gradients, where no order is made): the chain closes no cycle."""
+    convolution gradients, where no order is made): the chain closes no cycle. (Where
+    `later` reads an output of `earlier` already, none is added: _tf_private.)"""
     for earlier, later in zip(ops, ops[1:]):
         _tf_private.add_control_inputs(later, [earlier])
 

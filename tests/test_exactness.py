@@ -225,3 +225,27 @@ def test_a_split_with_one_output_a_y_and_the_other_read_by_a_segment(graph_kind,
 
     values = evaluate(graph_kind, body, {"x": X})
     assert_same_gradients(values[:2], values[2:], rtol=1e-12)
+
+
+def test_an_x_computed_from_other_xs_under_the_ordered_backward_pass():
+    """xs [x0, c - (c - x0)] with a stateful embedding lookup after them; 'memory' orders
+    its large gradient ops (control inputs). A control input added to a Neg from the op
+    whose output it reads made Grappler's arithmetic optimizer give x0 the opposite
+    sign (benchmarks/fuzz.py, seed 9763): such redundant control inputs are not added."""
+    def body(graph, inputs):
+        x0 = inputs["x"]
+        c = tf.constant(np.linspace(0.1, 0.9, 6).reshape(2, 3))
+        sub = c - x0
+        sub_1 = c - sub
+        table = tf.Variable(np.linspace(-1.0, 1.0, 30).reshape(10, 3))
+        mul_2 = tf.nn.embedding_lookup(table, tf.constant([1, 3])) * sub_1
+        ys = [tf.reduce_sum(c), tf.reduce_sum(mul_2 * 1.1)]
+        grad_ys = [tf.constant(0.7, tf.float64), tf.constant(1.3, tf.float64)]
+        reference = tf.compat.v1.gradients(ys, [x0, sub_1], grad_ys=grad_ys)
+        with memsave.always_rewrite():
+            got = memsave.gradients(ys, [x0, sub_1], grad_ys=grad_ys, checkpoints="memory")
+        assert memsave.last_report().orders_backward
+        return reference + got
+
+    values = evaluate("v1", body, {"x": X})
+    assert_same_gradients(values[:2], values[2:], rtol=1e-12)

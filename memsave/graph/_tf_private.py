@@ -17,8 +17,10 @@ def update_input(op, index, tensor):
 
 
 def add_control_inputs(op, control_ops):
-    """Adds `control_ops` as control inputs of `op`, skipping ones it already has."""
-    existing = set(op.control_inputs)
+    """Adds `control_ops` as control inputs of `op`, skipping ones it already has and
+    ones whose outputs it reads: those order nothing, and Grappler's arithmetic optimizer
+    gave a Neg that read another Neg both ways the wrong sign (fuzz seed 9763)."""
+    existing = set(op.control_inputs) | {t.op for t in op.inputs}
     new = [c for c in control_ops if c not in existing and c is not op]
     if new:
         op._add_control_inputs(new)
