@@ -189,8 +189,10 @@ def test_keras_fit_step_saves_memory():
     np.testing.assert_allclose(memsaved["losses"], plain["losses"], rtol=1e-5)
     np.testing.assert_allclose(patched["losses"], plain["losses"], rtol=1e-5)
     assert memsaved["ratio"] < 0.7, rows
-    # Plain Keras fit under memsave.patch: its tf.GradientTape is memsave's (issue 30).
-    assert abs(patched["ratio"] - memsaved["ratio"]) <= 0.02, rows
+    # Plain Keras fit under memsave.patch: its tf.GradientTape is memsave's (issue 30), with
+    # the same plan; the measured peaks of either move by one 2 MiB buffer between runs (AMD
+    # EPYC: 29.6 or 31.6 MiB each, in both orders), so they agree within 0.04 of Keras'.
+    assert abs(patched["ratio"] - memsaved["ratio"]) <= 0.04, rows
 
 
 @XLA_SAVINGS_MEASURED
