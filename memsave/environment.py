@@ -80,6 +80,14 @@ class Environment:
         return not self.under_xla
 
 
+def gpu_placed():
+    """Whether TensorFlow places ops on a GPU in this process (its logical devices: GPUs
+    hidden with tf.config.set_visible_devices count as none). Not part of `read`:
+    listing logical devices starts TensorFlow's runtime, so it is asked only where a
+    call may offload (planner.Problem.offload_accelerator)."""
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
 def _eigen_conv_threads(kernels):
     if kernels != EIGEN:
         return 0

@@ -120,13 +120,6 @@ def usable(options, environment):
     return options
 
 
-def has_accelerator():
-    """Whether TensorFlow places ops on a GPU in this process (its logical devices: GPUs
-    hidden with tf.config.set_visible_devices count as none). Asked only where a call
-    may offload: listing logical devices starts TensorFlow's runtime."""
-    return bool(tf.config.list_logical_devices("GPU"))
-
-
 def may_offload(t, options, accelerator):
     """Whether checkpoint `t` could be offloaded under `options` (an Offload or None):
     large enough, and on another device than the one it would wait on. A checkpoint

@@ -207,7 +207,7 @@ def _offloaded(kept, problem):
     options = problem.offload
     if options is None:
         return frozenset()
-    accelerator = offload_lib.has_accelerator()
+    accelerator = problem.offload_accelerator
     chosen = None
     if any(c.offload is not None for c in kept):
         chosen = {c.tensor.name for c in kept if c.offload}

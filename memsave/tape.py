@@ -158,7 +158,8 @@ class GradientTape(tf.GradientTape):
         if self._recording and not self._persistent:
             self._end_range()  # (tf.GradientTape stops recording here too)
         recorded = self._recorded_ops(targets[0].graph)
-        watched = [self._is_watched(s, recorded) for s in flat_sources]
+        handles = {id(v.handle) for v in self.watched_variables()}
+        watched = [self._is_watched(s, recorded, handles) for s in flat_sources]
         xs = [s for s, w in zip(flat_sources, watched) if w]
         grads = self._memsave_gradients(targets, xs, recorded, output_gradients,
                                         unconnected_gradients)
@@ -189,9 +190,9 @@ class GradientTape(tf.GradientTape):
                 and any(graph is targets[0].graph for graph, _, _ in self._ranges)
                 and not _tf_private.a_tape_is_recording())
 
-    def _is_watched(self, source, recorded):
+    def _is_watched(self, source, recorded, watched_handles):
         if inputs.is_variable(source):  # (a Keras 3 variable wraps the tf.Variable watched)
-            return any(v.handle is source.handle for v in self.watched_variables())
+            return id(source.handle) in watched_handles
         return source in self._watched or source.op in recorded
 
     def _memsave_gradients(self, targets, xs, recorded, output_gradients, unconnected_gradients):

@@ -15,11 +15,10 @@ searches that choose checkpoints with them.
 
 from memsave.errors import MemsaveError
 from memsave.environment import Environment
-from memsave.planner import allocator
 from memsave.planner.costs import Costs
 from memsave.planner.graph import StepGraph
 from memsave.planner.memory import MemoryModel, Prediction
-from memsave.planner.problem import Problem
+from memsave.planner.problem import Problem, memory_model
 from memsave.planner.segments import Segmentation
 
 
@@ -42,8 +41,7 @@ def model_of(region, environment=None, unknown_dim_size=1, defer=True):
     call). `environment`: a memsave.environment.Environment, None for this process's."""
     if environment is None:
         environment = Environment.read(region.ys[0].graph)
-    graph = StepGraph.build(region, environment, unknown_dim_size, defer)
-    return MemoryModel(graph, allocator=allocator.named(environment.allocator))
+    return memory_model(region, environment, unknown_dim_size, defer)
 
 
 __all__ = ["StepGraph", "MemoryModel", "Prediction", "Segmentation", "Problem", "model_of",

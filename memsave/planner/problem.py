@@ -1,9 +1,16 @@
 """What one call plans for: its forward region, the environment, and the settings the
 memory model is built with. Strategies are called with a Problem."""
 
+from memsave.environment import gpu_placed
 from memsave.planner import allocator
 from memsave.planner.graph import StepGraph
 from memsave.planner.memory import MemoryModel
+
+
+def memory_model(region, environment, unknown_dim_size=1, defer=True):
+    """The MemoryModel of `region`'s step in `environment`."""
+    graph = StepGraph.build(region, environment, unknown_dim_size, defer)
+    return MemoryModel(graph, allocator=allocator.named(environment.allocator))
 
 
 class Problem:
@@ -28,14 +35,22 @@ class Problem:
         self.unknown_dim_size = unknown_dim_size
         self.offload = offload
         self._model = None
+        self._offload_accelerator = None
 
     @property
     def model(self):
         if self._model is None:
-            graph = StepGraph.build(self.region, self.environment, self.unknown_dim_size,
-                                    defer=not self.environment.gate_gradients)
-            self._model = MemoryModel(graph, allocator=allocator.named(self.environment.allocator))
+            self._model = memory_model(self.region, self.environment, self.unknown_dim_size,
+                                       defer=not self.environment.gate_gradients)
         return self._model
+
+    @property
+    def offload_accelerator(self):
+        """Whether checkpoints TensorFlow places itself sit on a GPU (environment.gpu_placed),
+        asked once per call and only where it may offload."""
+        if self._offload_accelerator is None:
+            self._offload_accelerator = gpu_placed()
+        return self._offload_accelerator
 
     def __getattr__(self, name):
         if name.startswith("__") or name == "region":

@@ -165,7 +165,7 @@ def _offloadable(model, problem):
     options = problem.offload
     if options is None:
         return None
-    graph, accelerator = model.graph, offload_lib.has_accelerator()
+    graph, accelerator = model.graph, problem.offload_accelerator
     tensors = frozenset(t for op in graph.region_op_ids() for t in graph.outputs[op]
                         if offload_lib.may_offload(graph.tensors[t], options, accelerator))
     return search.Offloadable(tensors, options.prefetch, options.flops_per_byte)
