@@ -18,10 +18,10 @@ runs the two alternately for `--steps` rounds, so that load from other processes
 on shared cores hits both alike (`--no-paired`: time each process alone).
 
 Columns of the table:
-  peak MB     the allocator's peak during a step (GPU:0 when a GPU is present,
+  peak MiB    the allocator's peak during a step (GPU:0 when a GPU is present,
               else CPU), including weights, data and gradients;
   x tf        that peak divided by tf.gradients's (from its own process);
-  predicted MB  the memory model's prediction of that peak (memsave.plan; for
+  predicted MiB the memory model's prediction of that peak (memsave.plan; for
               tf.gradients, RewriteReport.baseline_peak_bytes), and its error;
   step ms     median wall time of one step (forward, loss, gradients);
   x tf        median over the rounds of (this step / tf.gradients's step), timed
@@ -31,7 +31,7 @@ Columns of the table:
               (tf.gradients itself, or memsave's whole rewrite);
   ckpts       checkpoints memsave kept (from memsave.last_report()).
 With --fit, two more:
-  fits MB     the smallest cap (within 3%) under which the step runs: what the step
+  fits MiB    the smallest cap (within 3%) under which the step runs: what the step
               needs. The peak above may count allocator chunks it did not split (one
               XLA program's temporary buffer can sit in a chunk far larger than
               itself), or leave out fragmentation (under a cap each buffer must fit in
@@ -61,14 +61,18 @@ logger = logging.getLogger("memsave.benchmarks")
 
 BASELINE = "tf.gradients"
 MEMSAVE_STRATEGIES = ("speed", "memory", "collection")
-# Models whose forward pass marks checkpoints (mirrors models.py; a test checks it).
+# Mirrors of models.py, so the parser needs no TensorFlow (a test checks they agree):
+# every model, those whose forward pass marks checkpoints, those built from Keras layers.
+MODELS = ("cnn", "mlp", "transformer", "keras", "vit", "gpt", "lstm")
 MARKING_MODELS = ("cnn", "mlp", "transformer")
+KERAS_MODELS = ("keras", "vit", "gpt", "lstm")
 DEFAULT_SWEEP_DEPTHS = {"cnn": (6, 12, 24, 48, 81), "mlp": (8, 16, 32, 64, 128),
-                        "transformer": (2, 4, 8, 16, 32), "keras": (0,)}
+                        "transformer": (2, 4, 8, 16, 32), "keras": (0,), "vit": (2, 4, 8, 16),
+                        "gpt": (2, 4, 6, 12), "lstm": (1, 2, 4)}
 CHILD_TARGET = "benchmarks.compare:measure_config"
 MEMORY_STEPS = 2  # steps over which the peak is taken
 
-TABLE_COLUMNS = ("strategy", "peak MB", "x tf", "predicted MB", "pred err", "step ms", "x tf",
+TABLE_COLUMNS = ("strategy", "peak MiB", "x tf", "predicted MiB", "pred err", "step ms", "x tf",
                  "max rel err", "build s", "ckpts")
 CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_ratio",
               "predicted_mb", "predicted_error", "recompute_fraction",
@@ -76,7 +80,7 @@ CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_
               "time_ratio_separate", "max_rel_err", "grad_build_s", "trace_s", "first_call_s",
               "checkpoints", "copied_ops", "graph_ops", "xla_buffer_mb", "fits_mb", "fits_ratio",
               "device", "message")
-FIT_COLUMNS = ("fits MB", "x tf")
+FIT_COLUMNS = ("fits MiB", "x tf")
 FIT_TOLERANCE = 1.03  # the cap found is within 3% of the smallest one the step runs under
 
 
@@ -173,15 +177,17 @@ def _tape_gradient_fn(strategy, offload=False):
 
 
 def _budget_limit(strategy):
-    """The limit of 'budget:F' (a fraction of tf.gradients' peak) or 'budget:NMB'."""
+    """The limit of 'budget:F' (a fraction of tf.gradients' peak) or 'budget:NMiB' (bytes,
+    N * 2**20; 'budget:NMB' is read the same)."""
     text = strategy.split(":", 1)[1]
     try:
-        if text.upper().endswith("MB"):
-            return int(float(text[:-2]) * 2**20)
+        for unit in ("MIB", "MB"):
+            if text.upper().endswith(unit):
+                return int(float(text[:-len(unit)]) * 2**20)
         return float(text)
     except ValueError:
         raise ValueError(f"{strategy!r}: use budget:F with a fraction F in (0, 1] or "
-                         "budget:NMB") from None
+                         "budget:NMiB") from None
 
 
 def _report_summary(strategy):
@@ -311,9 +317,9 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
     tf.random.set_seed(seed)
     device = measure.memory_device()
     if strategy.startswith(REMAT + ":"):
-        if model_name != "keras":
+        if model_name not in KERAS_MODELS:
             raise ValueError(f"{strategy!r}: keras.RematScope applies to Keras layers; use it "
-                             "with --model keras")
+                             f"with --model {', '.join(KERAS_MODELS)}")
         model_options = dict(model_options, remat=strategy.partition(":")[2])
     model = build_model(model_name, depth=depth, batch=batch, seed=seed, **model_options)
     out = {"description": model.description, "parameters": model.num_parameters(),
@@ -417,7 +423,7 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
             message = f"child died out of memory (exit {error.returncode})"
         elif memory_limit_mb and error.returncode is not None and error.returncode < 0:
             status = "OOM"
-            message = (f"child crashed (signal {-error.returncode}) under the {memory_limit_mb} MB "
+            message = (f"child crashed (signal {-error.returncode}) under the {memory_limit_mb} MiB "
                        "limit: counted as out of memory")
         else:
             status = "failed"
@@ -441,7 +447,7 @@ def fitting_cap(probe, peak_mb, lower_mb=None):
         FIT_TOLERANCE above it; without one the search starts 15% below the peak and
         steps down by 15% while the step still runs there.
     Returns:
-      The cap in MB, or None when the step did not run even at twice its peak.
+      The cap in MiB, or None when the step did not run even at twice its peak.
     """
     high = None  # the smallest cap seen to run
     if lower_mb:
@@ -477,7 +483,7 @@ def _fit(model, depth, batch, strategy, result, seed, model_options, timeout, ji
                          memory_limit_mb=cap_mb, grads_path=None, model_options=model_options,
                          timeout=timeout, paired=False, jit=jit, offload=offload,
                          fit_probe=True)
-        logger.info("  %s under a cap of %d MB: %s", strategy, cap_mb, probed.get("status"))
+        logger.info("  %s under a cap of %d MiB: %s", strategy, cap_mb, probed.get("status"))
         return probed.get("status") == "ok"
 
     lower = result.get("xla_buffer_bytes")
@@ -556,7 +562,7 @@ def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmu
 def _log_progress(done, total, model, depth, result):
     where = f"{model}" + (f" depth {depth}" if depth else "")
     if result.get("status") == "ok":
-        logger.info("[%d/%d] %s %s: peak %.1f MB, step %.1f ms, build %.2f s (%.0f s)", done,
+        logger.info("[%d/%d] %s %s: peak %.1f MiB, step %.1f ms, build %.2f s (%.0f s)", done,
                     total, where, result["strategy"], result["peak_bytes"] / 2**20,
                     result["step_s"] * 1e3, result["grad_build_s"], result["wall_s"])
     else:
@@ -569,7 +575,7 @@ def _offload_note(result):
         return ("offload: nothing moved: no accelerator here (the device and the host share one "
                 "memory), so no saving can be measured; run on a GPU machine")
     return (f"offload: {result.get('offloaded', 0)} checkpoints, "
-            f"{result['offload_moved_bytes'] / 2**20:.1f} MB moved per step (out and back)")
+            f"{result['offload_moved_bytes'] / 2**20:.1f} MiB moved per step (out and back)")
 
 
 def _rows(results, strategies, paths, offload_requested=False):
@@ -619,7 +625,7 @@ def _rows(results, strategies, paths, offload_requested=False):
             xla = f"optimized HLO: {counts}"
             if result.get("xla_buffer_bytes"):
                 row["xla_buffer_mb"] = result["xla_buffer_bytes"] / 2**20
-                xla += f"; XLA buffers {row['xla_buffer_mb']:.1f} MB"
+                xla += f"; XLA buffers {row['xla_buffer_mb']:.1f} MiB"
                 base_buffers = base.get("xla_buffer_bytes")
                 if base_buffers and strategy != BASELINE:
                     xla += f" ({result['xla_buffer_bytes'] / base_buffers:.2f}x)"
@@ -788,9 +794,9 @@ def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
             oom_label_done = True
     if memory_limit_mb:
         memory_axes.axhline(memory_limit_mb, color="grey", ls="--", lw=1)
-        memory_axes.text(memory_axes.get_xlim()[0], memory_limit_mb, f" limit {memory_limit_mb} MB",
+        memory_axes.text(memory_axes.get_xlim()[0], memory_limit_mb, f" limit {memory_limit_mb} MiB",
                          va="bottom", color="grey", fontsize=8)
-    memory_axes.set(xlabel="depth", ylabel="peak memory (MB)", title="peak memory vs depth")
+    memory_axes.set(xlabel="depth", ylabel="peak memory (MiB)", title="peak memory vs depth")
     time_axes.set(xlabel="depth", ylabel="step time (ms)", title="step time vs depth")
     for axes in (memory_axes, time_axes):
         axes.grid(alpha=0.3)
@@ -800,10 +806,10 @@ def plot_sweep(rows, png_path, memory_limit_mb=None, title=None):
 
 
 def format_sweep(rows):
-    """The sweep as text: one line per depth, peak MB and step ms per strategy."""
+    """The sweep as text: one line per depth, peak MiB and step ms per strategy."""
     strategies = list(dict.fromkeys(row["strategy"] for row in rows))
     depths = list(dict.fromkeys(row["depth"] for row in rows))
-    header = ["depth"] + [f"{s} MB / ms" for s in strategies]
+    header = ["depth"] + [f"{s} MiB / ms" for s in strategies]
     lines = [header]
     for depth in depths:
         line = [str(depth)]
@@ -856,7 +862,7 @@ def plot_budget_sweep(rows, png_path, title=None):
             marker, color = markers[r["strategy"]]
             axes.plot([r["time_ratio"]], [r["peak_mb"]], marker, color=color, ms=9,
                       label=r["strategy"])
-    axes.set(xlabel="step time / tf.gradients' step time (paired)", ylabel="measured peak (MB)",
+    axes.set(xlabel="step time / tf.gradients' step time (paired)", ylabel="measured peak (MiB)",
              title="peak memory against step time")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
@@ -874,7 +880,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Peak memory, step time, gradient error and build time of tf.gradients "
                     "and memsave's strategies, each configuration in its own process.")
-    parser.add_argument("--model", default="cnn", choices=("cnn", "mlp", "transformer", "keras"))
+    parser.add_argument("--model", default="cnn", choices=MODELS)
     parser.add_argument("--depth", type=int, default=None,
                         help="residual blocks (cnn), layers (mlp) or encoder blocks "
                              "(transformer); default per model (81, 36, 8)")
@@ -887,7 +893,7 @@ def main(argv=None):
     parser.add_argument("--fit", action="store_true",
                         help="also find, for each strategy, the smallest cap (within 3%%) its "
                              "step runs under, the cap reserved as one region as a GPU's "
-                             "allocator holds it: what the step needs (columns 'fits MB')")
+                             "allocator holds it: what the step needs (columns 'fits MiB')")
     parser.add_argument("--offload", action="store_true",
                         help="memsave strategies keep their checkpoints in host memory "
                              "(offload=True); the notes give what moved per step")
@@ -900,7 +906,7 @@ def main(argv=None):
                              "processes) instead of alternating with tf.gradients in the same one")
     parser.add_argument("--strategies", default=None,
                         help="comma-separated, from tf.gradients, speed, memory, collection, "
-                             "budget:F (memsave.budget(F), F a fraction or e.g. 200MB), every:K "
+                             "budget:F (memsave.budget(F), F a fraction or e.g. 200MiB), every:K "
                              "(explicit list: every K-th block output), tape:S (the step recorded "
                              "on memsave.GradientTape(checkpoints=S)), patched-tape:S (on "
                              "tf.GradientTape under memsave.patch(checkpoints=S)), remat:MODE "

@@ -18,6 +18,9 @@ Models (the `--model` flag of compare.py):
   (multi-head self-attention and a ReLU MLP, each with a residual), a vocabulary head.
 - ``keras``: a `keras.applications` model (ResNet50 by default, MobileNetV2 and others by
   name) with `weights=None` (nothing is downloaded); depth does not apply.
+- ``vit``, ``gpt``, ``lstm``: built from Keras layers as users build them: a ViT
+  (`MultiHeadAttention` blocks over image patches), a small causal GPT (`Embedding`,
+  sparse embedding gradient) and stacked `LSTM`s; depth counts blocks or LSTM layers.
 
 The hand-written models mark every ceil(sqrt(blocks))-th block output with
 `memsave.mark_checkpoint`, so `checkpoints='collection'` has something to use; the Keras
@@ -33,7 +36,7 @@ import tensorflow as tf
 
 import memsave
 
-MODELS = ("cnn", "mlp", "transformer", "keras")
+MODELS = ("cnn", "mlp", "transformer", "keras", "vit", "gpt", "lstm")
 
 # Per-model defaults, sized so one step takes well under a second on 2 CPU cores.
 DEFAULTS = {
@@ -41,6 +44,9 @@ DEFAULTS = {
     "mlp": {"depth": 36, "batch": 2048},
     "transformer": {"depth": 8, "batch": 16},
     "keras": {"depth": 0, "batch": 16},
+    "vit": {"depth": 8, "batch": 32},
+    "gpt": {"depth": 6, "batch": 8},
+    "lstm": {"depth": 2, "batch": 64},
 }
 
 
@@ -326,8 +332,131 @@ def build_keras(depth=0, batch=16, seed=0, app="ResNet50", image_size=64, classe
     return model
 
 
+# ----------------------------------------------------------------------------- Keras-layer models
+# Built from Keras layers as users build them (MultiHeadAttention, Embedding, LSTM), so
+# memsave and keras.RematScope see what a Keras user's graph holds.
+
+def _keras_layer_model(name, net, inputs, description, loss_of):
+    """A BenchModel whose forward pass is `loss_of(net(features, training=True), labels)`."""
+    variables = [v.value if hasattr(v, "value") else v for v in net.trainable_variables]
+
+    def forward(model, features, labels):
+        return loss_of(net(features, training=True), labels)
+
+    model = BenchModel(name, description, variables, inputs, forward, False)
+    model.keras_model = net
+    return model
+
+
+def _remat_scope(remat):
+    import keras
+
+    return keras.RematScope(mode=remat) if remat else contextlib.nullcontext()
+
+
+def _sparse_cross_entropy(logits, labels):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+
+
+def _encoder_block(keras, x, d_model, heads, causal=False):
+    """Pre-LayerNorm block: x + MHA(LN(x)), then x + MLP(LN(x)) (GELU, 4 d_model)."""
+    normed = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+    attended = keras.layers.MultiHeadAttention(heads, d_model // heads)(
+        normed, normed, use_causal_mask=causal)
+    x = keras.layers.Add()([x, attended])
+    normed = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+    hidden = keras.layers.Dense(4 * d_model, activation="gelu")(normed)
+    return keras.layers.Add()([x, keras.layers.Dense(d_model)(hidden)])
+
+
+def _position_layer(keras, length, d_model):
+    """Adds a learned position embedding to a [batch, length, d_model] input."""
+
+    class AddPosition(keras.layers.Layer):
+        def build(self, input_shape):
+            self.position = self.add_weight(shape=(length, d_model), name="position",
+                                            initializer="random_normal")
+
+        def call(self, x):
+            return x + self.position
+
+    return AddPosition()
+
+
+def build_vit(depth=8, batch=32, seed=0, image_size=64, patch=8, d_model=192, heads=3,
+              classes=10, remat=None):
+    """A ViT from Keras layers: patches by a strided Conv2D, a learned position embedding,
+    `depth` pre-LayerNorm blocks of `keras.layers.MultiHeadAttention` and a GELU MLP,
+    mean-pooled tokens and a softmax head."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    tokens = (image_size // patch) ** 2
+    with _remat_scope(remat):
+        images = keras.Input((image_size, image_size, 3))
+        x = keras.layers.Conv2D(d_model, patch, strides=patch)(images)
+        x = _position_layer(keras, tokens, d_model)(keras.layers.Reshape((tokens, d_model))(x))
+        for _ in range(depth):
+            x = _encoder_block(keras, x, d_model, heads)
+        x = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization()(x))
+        net = keras.Model(images, keras.layers.Dense(classes)(x))
+    rng = np.random.default_rng(seed + 1)
+    inputs = (rng.standard_normal([batch, image_size, image_size, 3]).astype(np.float32),
+              rng.integers(0, classes, size=[batch]).astype(np.int32))
+    description = (f"ViT (Keras layers): {depth} blocks, d {d_model}, {heads} heads, "
+                   f"{image_size} px, patch {patch}, batch {batch}")
+    return _keras_layer_model("vit", net, inputs, description, _sparse_cross_entropy)
+
+
+def build_gpt(depth=6, batch=8, seed=0, seq_len=256, d_model=256, heads=8, vocab=8000,
+              remat=None):
+    """A small GPT from Keras layers: `keras.layers.Embedding` tokens and a learned position
+    embedding, `depth` causal pre-LayerNorm blocks, a vocabulary head; next-token loss.
+    The embedding's gradient is sparse (IndexedSlices) under tf.gradients."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    with _remat_scope(remat):
+        tokens = keras.Input((seq_len,), dtype="int32")
+        x = keras.layers.Embedding(vocab, d_model)(tokens)
+        x = _position_layer(keras, seq_len, d_model)(x)
+        for _ in range(depth):
+            x = _encoder_block(keras, x, d_model, heads, causal=True)
+        x = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+        net = keras.Model(tokens, keras.layers.Dense(vocab)(x))
+    rng = np.random.default_rng(seed + 1)
+    words = rng.integers(0, vocab, size=[batch, seq_len]).astype(np.int32)
+    description = (f"GPT (Keras layers): {depth} causal blocks, d {d_model}, {heads} heads, "
+                   f"sequence {seq_len}, vocabulary {vocab}, batch {batch}")
+    return _keras_layer_model("gpt", net, (words, np.roll(words, -1, axis=1)), description,
+                              _sparse_cross_entropy)
+
+
+def build_lstm(depth=2, batch=64, seed=0, seq_len=100, units=256, features=32, classes=10,
+               remat=None):
+    """`depth` stacked `keras.layers.LSTM(units)` over a float sequence, a softmax head on
+    the last step's output."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    with _remat_scope(remat):
+        sequence = keras.Input((seq_len, features))
+        x = sequence
+        for layer in range(depth):
+            x = keras.layers.LSTM(units, return_sequences=layer < depth - 1)(x)
+        net = keras.Model(sequence, keras.layers.Dense(classes)(x))
+    rng = np.random.default_rng(seed + 1)
+    inputs = (rng.standard_normal([batch, seq_len, features]).astype(np.float32),
+              rng.integers(0, classes, size=[batch]).astype(np.int32))
+    description = (f"{depth} stacked Keras LSTM({units}), sequence {seq_len}, "
+                   f"{features} features, batch {batch}")
+    return _keras_layer_model("lstm", net, inputs, description, _sparse_cross_entropy)
+
+
 BUILDERS = {"cnn": build_cnn, "mlp": build_mlp, "transformer": build_transformer,
-            "keras": build_keras}
+            "keras": build_keras, "vit": build_vit, "gpt": build_gpt, "lstm": build_lstm}
+# Models built from Keras layers (keras.RematScope applies to them).
+KERAS_MODELS = ("keras", "vit", "gpt", "lstm")
 
 
 def build_model(name, depth=None, batch=None, seed=0, **options):

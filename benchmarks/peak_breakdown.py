@@ -40,7 +40,7 @@ from memsave import measure  # noqa: E402
 
 CHILD_TARGET = "benchmarks.peak_breakdown:measure_breakdown"
 BASELINE = "tf.gradients"
-MB = 2**20
+MiB = 2**20
 
 
 def _gradients(loss, variables, strategy):
@@ -154,17 +154,17 @@ def _allocating_op(op):
 
 def format_breakdown(result):
     lines = [f"{result['model']} / {result['strategy']}: allocator (BFC) peak of the process "
-             f"{result['bfc_peak'] / MB:.1f} MB; at the step's peak from its allocation records "
-             f"{(result['resident'] + result['records_peak']) / MB:.1f} MB, of which:",
-             f"  {'weights (resident)':<18} {result['resident'] / MB:8.1f} MB"]
+             f"{result['bfc_peak'] / MiB:.1f} MiB; at the step's peak from its allocation records "
+             f"{(result['resident'] + result['records_peak']) / MiB:.1f} MiB, of which:",
+             f"  {'weights (resident)':<18} {result['resident'] / MiB:8.1f} MiB"]
     for kind in ("forward", "recomputed", "gradients", "grads of xs"):
-        lines.append(f"  {kind:<18} {result['by_kind'].get(kind, 0) / MB:8.1f} MB")
-    lines.append(f"memory model: {result['predicted'] / MB:.1f} MB, at {result['predicted_at']}")
+        lines.append(f"  {kind:<18} {result['by_kind'].get(kind, 0) / MiB:8.1f} MiB")
+    lines.append(f"memory model: {result['predicted'] / MiB:.1f} MiB, at {result['predicted_at']}")
     lines.append("largest buffers alive at the peak (allocator chunks):")
-    lines += [f"  {nbytes / MB:7.2f} MB  {kind:<11} {op_type:<22} {name}"
+    lines += [f"  {nbytes / MiB:7.2f} MiB  {kind:<11} {op_type:<22} {name}"
               for name, op_type, kind, nbytes in result["largest"]]
     lines.append(f"largest tensors the memory model holds at its own peak ({result['model_at']}):")
-    lines += [f"  {nbytes / MB:7.2f} MB  {kind:<11} {what}"
+    lines += [f"  {nbytes / MiB:7.2f} MiB  {kind:<11} {what}"
               for nbytes, kind, what in result["model_largest"]]
     return "\n".join(lines)
 

@@ -123,9 +123,9 @@ def reserve_one_region(limit_mb):
     from that one region. Call it first thing in a child, before anything is allocated.
 
     Args:
-      limit_mb: the cap the child runs under (`memory_limit_env`), in MB.
+      limit_mb: the cap the child runs under (`memory_limit_env`), in MiB.
     Returns:
-      The MB reserved, or None where nothing was (no cap, or a GPU: its capped virtual
+      The MiB reserved, or None where nothing was (no cap, or a GPU: its capped virtual
       device is one region already).
     """
     import tensorflow as tf
@@ -157,7 +157,7 @@ def apply_gpu_memory_limit(limit_mb):
         return False
     tf.config.set_logical_device_configuration(
         gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=int(limit_mb))])
-    logger.info("GPU:0 capped at %d MB", int(limit_mb))
+    logger.info("GPU:0 capped at %d MiB", int(limit_mb))
     return True
 
 

@@ -189,8 +189,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
             and not environment.always_rewrite):
         return Plan(fallback=(
             f"memsave: strategy {strategy_name!r} is predicted to peak at "
-            f"{prediction.device_peak_bytes / 2**20:.3g} MB, not below tf.gradients' "
-            f"{baseline / 2**20:.3g} MB, so plain tf.gradients was used"),
+            f"{prediction.device_peak_bytes / 2**20:.3g} MiB, not below tf.gradients' "
+            f"{baseline / 2**20:.3g} MiB, so plain tf.gradients was used"),
             warn=explicit, **decided)
     try:
         parts = _parts_in_backward_order(region, segmentation, xs, [c.tensor for c in kept])

@@ -210,7 +210,7 @@ class RewriteReport:
 
 
 def _mb(n):
-    return f"{n / 2**20:.2f} MB"
+    return f"{n / 2**20:.2f} MiB"
 
 
 _latest_of_any_thread = [None]

@@ -2,7 +2,7 @@
 
 Run through memsave.measure.run_isolated("_memory_cases:<name>", ...), which
 turns the CPU BFC allocator on before TensorFlow is imported. Every function
-returns the peak in MB of one training-style step and a checksum of the
+returns the peak in MiB of one training-style step and a checksum of the
 gradients, so the caller can check the rewrite still computes the same thing.
 """
 

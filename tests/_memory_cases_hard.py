@@ -2,7 +2,7 @@
 
 Run through memsave.measure.run_isolated("_memory_cases_hard:<name>", ...), which
 turns the CPU BFC allocator on before TensorFlow is imported. Each function
-returns the peak in MB of one training-style step, a checksum of the gradients
+returns the peak in MiB of one training-style step, a checksum of the gradients
 and what kind of value the table's gradient was inside the graph.
 """
 

@@ -60,6 +60,30 @@ def test_keras_application_model_builds_without_download():
     assert math.isfinite(float(model.loss(*model.inputs)))
 
 
+KERAS_TINY = {
+    "vit": {"depth": 2, "batch": 2, "image_size": 16, "patch": 8, "d_model": 8, "heads": 2},
+    "gpt": {"depth": 2, "batch": 2, "seq_len": 6, "d_model": 8, "heads": 2, "vocab": 30},
+    "lstm": {"depth": 2, "batch": 2, "seq_len": 5, "units": 4, "features": 3},
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERAS_TINY))
+def test_keras_layer_models_step_with_tf_gradients(name):
+    model = models.build_model(name, seed=1, **KERAS_TINY[name])
+    step = model.make_step(lambda ys, xs: tf.gradients(ys, xs))
+    loss, grads = step(*model.inputs)
+    assert math.isfinite(float(loss)) and len(grads) == len(model.variables)
+    assert all(g is not None for g in grads)
+    assert name in compare.KERAS_MODELS and name not in compare.MARKING_MODELS
+
+
+def test_compare_mirrors_the_model_lists():
+    assert compare.MODELS == models.MODELS
+    assert compare.KERAS_MODELS == models.KERAS_MODELS
+    assert set(compare.DEFAULT_SWEEP_DEPTHS) == set(models.MODELS)
+    assert set(compare.MARKING_MODELS) <= set(models.MODELS)
+
+
 def test_unknown_model_is_refused():
     with pytest.raises(ValueError, match="unknown model"):
         models.build_model("vgg")
@@ -78,7 +102,7 @@ def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("strategy"))
-    for column in ("peak MB", "x tf", "predicted MB", "pred err", "step ms", "max rel err",
+    for column in ("peak MiB", "x tf", "predicted MiB", "pred err", "step ms", "max rel err",
                    "build s"):
         assert column in header
     rows = _read_csv(csv_path)
@@ -91,7 +115,7 @@ def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
     assert float(rows[0]["peak_ratio"]) == 1.0
     assert float(rows[1]["max_rel_err"]) <= 1e-4
     markdown = md_path.read_text(encoding="utf-8")
-    assert "| strategy | peak MB |" in markdown and "| memory |" in markdown
+    assert "| strategy | peak MiB |" in markdown and "| memory |" in markdown
 
 
 def test_compare_runs_tape_configs_and_refuses_remat_off_keras(tmp_path, capsys):
@@ -109,6 +133,7 @@ def test_compare_runs_tape_configs_and_refuses_remat_off_keras(tmp_path, capsys)
         assert float(rows[name]["max_rel_err"]) <= 1e-4
     assert rows["remat:activations"]["status"] != "ok"
     assert "--model keras" in rows["remat:activations"]["message"]
+    assert "vit" in rows["remat:activations"]["message"]
 
 
 def _small_compare(capsys, *flags):
@@ -123,7 +148,7 @@ def _small_compare(capsys, *flags):
 def test_offload_says_what_moved_or_that_nothing_can_be_measured(capsys):
     printed = _small_compare(capsys, "--offload")
     if tf.config.list_physical_devices("GPU"):
-        assert "MB moved per step (out and back)" in printed, printed
+        assert "MiB moved per step (out and back)" in printed, printed
     else:  # no misleading ratio on a machine whose "device" is the host
         assert "offload: nothing moved: no accelerator here" in printed, printed
 
@@ -133,10 +158,10 @@ def test_jit_notes_give_hlo_ops_and_xla_buffers_and_fit_finds_a_cap_above_them(c
     notes = [line for line in printed.splitlines() if "optimized HLO" in line]
     assert len(notes) == 2 and all("XLA buffers" in line for line in notes), printed
     header = next(line for line in printed.splitlines() if line.startswith("strategy"))
-    assert header.split()[-4:] == ["fits", "MB", "x", "tf"], header
+    assert header.split()[-4:] == ["fits", "MiB", "x", "tf"], header
     for strategy, note in zip(("tf.gradients", "memory"), notes):
         row = next(line for line in printed.splitlines() if line.startswith(strategy + " "))
-        buffers_mb = float(note.split("XLA buffers ")[1].split(" MB")[0])
+        buffers_mb = float(note.split("XLA buffers ")[1].split(" MiB")[0])
         fits_mb = int(row.split()[-2])
         assert buffers_mb <= fits_mb <= math.ceil(buffers_mb * compare.FIT_TOLERANCE) + 8, printed
 

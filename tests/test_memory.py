@@ -38,7 +38,7 @@ def _assert_predicted(got, what, over=PREDICTION_TOLERANCE):
     `over` above it."""
     error = got["predicted_mb"] / got["peak_mb"] - 1
     assert -PREDICTION_TOLERANCE <= error <= over, (
-        f"{what}: predicted {got['predicted_mb']:.1f} MB, measured {got['peak_mb']:.1f} MB "
+        f"{what}: predicted {got['predicted_mb']:.1f} MiB, measured {got['peak_mb']:.1f} MiB "
         f"({error:+.0%})")
 
 
@@ -48,7 +48,7 @@ def test_chain_of_100_tanh_peaks_at_most_a_quarter(mode):
     got = measure("chain", mode=mode)
     ratio = got["peak_mb"] / baseline["peak_mb"]
     assert baseline["peak_mb"] > 90, baseline  # 100 x 1 MB activations
-    assert ratio <= 0.25, f"{mode}: {got['peak_mb']:.1f} MB vs {baseline['peak_mb']:.1f} MB"
+    assert ratio <= 0.25, f"{mode}: {got['peak_mb']:.1f} MiB vs {baseline['peak_mb']:.1f} MiB"
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-5)
 
 
@@ -56,7 +56,7 @@ def test_resnet_like_chain_of_100_blocks_peaks_at_most_30_percent():
     baseline = measure("chain", mode="tf", residual=True)
     got = measure("chain", mode="memory", residual=True)
     ratio = got["peak_mb"] / baseline["peak_mb"]
-    assert ratio <= 0.30, f"{got['peak_mb']:.1f} MB vs {baseline['peak_mb']:.1f} MB"
+    assert ratio <= 0.30, f"{got['peak_mb']:.1f} MiB vs {baseline['peak_mb']:.1f} MiB"
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-5)
 
 
@@ -68,7 +68,7 @@ def test_deep_mlp_peaks_at_most_half(jit):
     baseline = measure("deep_mlp", mode="tf", jit=jit)
     got = measure("deep_mlp", mode="memory", jit=jit)
     ratio = got["peak_mb"] / baseline["peak_mb"]
-    assert ratio <= 0.50, f"{got['peak_mb']:.1f} MB vs {baseline['peak_mb']:.1f} MB"
+    assert ratio <= 0.50, f"{got['peak_mb']:.1f} MiB vs {baseline['peak_mb']:.1f} MiB"
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-4)
 
 
@@ -113,8 +113,8 @@ def test_under_xla_memory_keeps_its_ratio_and_runs_in_xlas_buffers(case, tmp_pat
                                  jit=True, env=dict(memory_limit_env(cap_mb),
                                                     PYTHONPATH=TESTS_DIR))
               for mode in ("tf", "memory")}
-    assert not capped["memory"].get("oom"), f"'memory' under XLA does not run in {cap_mb} MB"
-    assert capped["tf"].get("oom"), f"tf.gradients under XLA runs in {cap_mb} MB: {capped}"
+    assert not capped["memory"].get("oom"), f"'memory' under XLA does not run in {cap_mb} MiB"
+    assert capped["tf"].get("oom"), f"tf.gradients under XLA runs in {cap_mb} MiB: {capped}"
 
 
 def test_a_swish_mlp_saves_as_much_as_a_tanh_one():
@@ -124,7 +124,7 @@ def test_a_swish_mlp_saves_as_much_as_a_tanh_one():
     baseline = measure("silu_mlp", mode="tf")
     got = measure("silu_mlp", mode="memory")
     ratio = got["peak_mb"] / baseline["peak_mb"]
-    assert ratio <= 0.50, f"{got['peak_mb']:.1f} MB vs {baseline['peak_mb']:.1f} MB"
+    assert ratio <= 0.50, f"{got['peak_mb']:.1f} MiB vs {baseline['peak_mb']:.1f} MiB"
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-5)
 
 

@@ -267,7 +267,7 @@ def test_budget_with_offload_reaches_peaks_recomputation_alone_cannot():
         copies_out = [op for op in graph.get_operations()[ops_before:]
                       if op.name.endswith("offload_out")]
         with pytest.raises(memsave.MemsaveError, match=r"can reach on this graph with offload "
-                                                       r"is 19(\.\d+)? MB"):
+                                                       r"is 19(\.\d+)? MiB"):
             memsave.plan(loss, weights, checkpoints=memsave.budget(0.4, offload="/CPU:1"))
         # The integrations take the budget as it is, offload included.
         memsave.gradient_function(budget)(loss, weights)

@@ -509,8 +509,8 @@ def test_budget_that_cannot_be_met_raises_before_adding_ops():
     graph, loss, x = _chain_graph()
     with graph.as_default():
         before = len(graph.get_operations())
-        with pytest.raises(memsave.MemsaveError, match=r"budget of 1 MB cannot be met: the "
-                           r"smallest predicted peak memsave can reach on this graph is [\d.]+ MB"):
+        with pytest.raises(memsave.MemsaveError, match=r"budget of 1 MiB cannot be met: the "
+                           r"smallest predicted peak memsave can reach on this graph is [\d.]+ MiB"):
             memsave.gradients(loss, [x], checkpoints=memsave.budget(2**20))
         assert len(graph.get_operations()) == before
 
@@ -529,7 +529,7 @@ def test_a_budget_recomputes_ahead_exactly_where_that_still_fits():
     assert not reports[0.6].recomputes_ahead and reports[0.7].recomputes_ahead
     assert ([c.name for c in reports[0.6].checkpoints]
             == [c.name for c in reports[0.7].checkpoints])
-    assert "predicted peak 4.25 MB" in reports[0.7].checkpoints[0].reason
+    assert "predicted peak 4.25 MiB" in reports[0.7].checkpoints[0].reason
     assert reports[0.6].predicted_peak_bytes == 16 * S + SUM_AXES
     assert reports[0.7].predicted_peak_bytes == 17 * S + SUM_AXES
     assert reports[0.7].recompute_flops == reports[0.6].recompute_flops

@@ -19,7 +19,7 @@ from memsave.strategies.speed import EXPENSIVE_OP_TYPES
 
 
 def _mb(n):
-    return f"{n / 2**20:.3g} MB"
+    return f"{n / 2**20:.3g} MiB"
 
 
 def _choices(model, plan, reason, offloaded=None):
