@@ -5,7 +5,8 @@ many op kinds: elementwise ops, broadcasting, matmuls and convolutions (weights
 among the xs or not), batch-norm moments, softmax, seeded dropout (stateful: never
 recomputed differently) and stateless dropout, embedding gathers (a variable read
 whole then gathered, as a Keras Embedding does, a resource gather, or a computed
-table), `tf.cond`, `tf.while_loop`, an RNN over TensorArrays, `tf.custom_gradient`s that are not linear in
+table), `tf.cond`, `tf.while_loop`, an RNN over TensorArrays, calls of nested `tf.function`s
+(reading a weight, compiled by XLA, or drawing dropout), `tf.custom_gradient`s that are not linear in
 their incoming gradient (clipping, normalising), concatenation with split, long
 skips, stop_gradient; several ys (scalar or not) with or without grad_ys,
 stop_gradients, an intermediate x. Everything is float64, so rounding cannot hide
@@ -53,10 +54,11 @@ RTOL = 1e-12
 # order Grappler may change; a wrong rewrite is off by orders of magnitude more.
 ATOL = 1e-13
 GRAPH_KINDS = ("v1", "v1_control_flow", "function")
+CALL_KINDS = ("plain", "jit", "dropout")
 UNARY = ("tanh", "sin", "sigmoid", "softplus", "square", "scale", "stop_gradient", "softmax",
          "dropout", "stateless_dropout", "moments", "clip_custom", "normalise_custom")
 BINARY = ("add", "sub", "mul", "residual", "broadcast", "cond")
-OTHER = ("matmul", "conv", "concat_split", "gather", "while", "tensor_array")
+OTHER = ("matmul", "conv", "concat_split", "gather", "while", "tensor_array", "call")
 
 
 # -- drawing a graph --------------------------------------------------------------------------
@@ -88,6 +90,8 @@ def random_spec(seed):
                               bool(rng.rand() < 0.5)])
             elif op in ("while", "tensor_array"):
                 nodes.append([op, [earlier(), earlier()], int(rng.randint(1, 4))])
+            elif op == "call":
+                nodes.append([op, [earlier()], str(rng.choice(CALL_KINDS))])
             else:
                 nodes.append([op, [earlier()], int(rng.randint(0, 2))])
     last = len(nodes) - 1
@@ -238,7 +242,22 @@ class _Builder:
                                  lambda i, c: (i + 1, tf.tanh(0.9 * c + 0.1 * b)), [0, a])[1]
         if op == "tensor_array":  # an RNN over the rows: unstack, loop, stack
             return self._rnn(a, b)
+        if op == "call":
+            return self._call(a, node[2])
         raise AssertionError(op)
+
+    def _call(self, a, kind):
+        """A nested tf.function reading a weight (recomputable: memsave copies the call),
+        compiled by XLA ('jit'), or drawing a dropout mask (stateful: never copied)."""
+        tf = self.tf
+        matrix = self.matrices[0 if kind == "plain" else 1]
+
+        def body(t):
+            out = tf.tanh(tf.matmul(t, matrix)) + 0.1 * t
+            if kind == "dropout":
+                out = tf.nn.dropout(out, rate=0.5, seed=self.spec["seed"] % 1000 + 1)
+            return out
+        return tf.function(body, jit_compile=kind == "jit", autograph=False)(a)
 
     def _rnn(self, a, b):
         tf = self.tf
@@ -285,7 +304,9 @@ def build_case(spec, inputs, variable, calls):
     if spec["grad_ys"]:
         rng = np.random.RandomState(spec["seed"] + 2)
         grad_ys = [tf.constant(rng.uniform(0.5, 1.5, y.shape.as_list()), tf.float64) for y in ys]
-    stop = [tensors[i] for i in spec["stop_gradients"]]
+    # (Not at a call's output: tf.gradients differentiates a call through a
+    # SymbolicGradient op there, which fails for a jit-compiled function.)
+    stop = [tensors[i] for i in spec["stop_gradients"] if spec["nodes"][i][0] != "call"]
 
     def tensor_of(index):
         return ys[-1 - index] if index < 0 else tensors[index]

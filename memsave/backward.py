@@ -30,7 +30,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from memsave.graph import _tf_private
+from memsave.graph import _tf_private, calls
 from memsave.graph.select import TensorSet, get_backward_walk_ops
 from memsave.region import V1_CONTROL_FLOW_OP_TYPES
 
@@ -100,8 +100,10 @@ def segment_reads(ops, region, checkpoints):
     result = []
     for op in ops:
         for t in op.inputs:
-            if t.op in members or t in found or t.dtype == tf.resource:
-                continue  # (handles carry no gradient of their own through copies)
+            if t.op in members or t in found:
+                continue
+            if t.dtype == tf.resource and not calls.is_call(op):
+                continue  # (a read's copy gives its handle no gradient; a call's does)
             if t in checkpoints or region.depends_on_xs(t):
                 found.add(t)
                 result.append(t)

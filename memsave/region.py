@@ -13,7 +13,7 @@ import math
 
 import tensorflow as tf
 
-from memsave.graph import _tf_private
+from memsave.graph import _tf_private, calls
 from memsave.graph.select import (
     TensorSet, get_backward_walk_ops, get_forward_walk_ops, topological_sort)
 
@@ -38,9 +38,17 @@ def why_not_recomputable(op):
     """Why `op` must not be copied and run again, or None if it may be.
 
     Returns:
-      A short reason string ('stateful', 'control flow', 'no inputs'), or None.
+      A short reason string ('stateful', 'control flow', 'no inputs', or why a function
+      call could give other outputs when run again), or None.
     """
-    if op.type in CONTROL_FLOW_OP_TYPES or _tf_private.control_flow_context(op) is not None:
+    if _tf_private.control_flow_context(op) is not None:
+        return "control flow"
+    if calls.is_call(op):
+        # A tf.function call runs its function again when copied: safe where that
+        # function gives the same outputs a second time (no random or writing op).
+        why = calls.why_call_not_repeatable(op)
+        return None if why is None else f"a function call: {why}"
+    if op.type in CONTROL_FLOW_OP_TYPES:
         return "control flow"
     if op.op_def is not None and op.op_def.is_stateful:
         return "stateful"
@@ -85,14 +93,18 @@ class ForwardRegion:
         self.dependent_x_ops = frozenset()
 
     @classmethod
-    def build(cls, ys, xs):
+    def build(cls, ys, xs, stop_gradients=()):
         """Builds the region for gradients of `ys` with respect to `xs`.
 
         Args:
           ys, xs: lists of graph tensors of one graph.
+          stop_gradients: the call's stop_gradients (a function call making one is kept:
+            tf.gradients differentiates such a call through a SymbolicGradient op,
+            which a copy of the call could not run).
         Returns:
           A ForwardRegion (possibly empty).
         """
+        stopped_ops = {t.op for t in stop_gradients}
         backward = get_backward_walk_ops([y.op for y in ys], inclusive=True)
         on_path = get_forward_walk_ops(list(xs), inclusive=True, within_ops=backward)
         x_ops = {x.op for x in xs}
@@ -107,6 +119,8 @@ class ForwardRegion:
                 kept.append((op, "it computes one of the xs"))
                 continue
             reason = why_not_recomputable(op)
+            if reason is None and op in stopped_ops and calls.is_call(op):
+                reason = "a function call whose output is in stop_gradients"
             if reason is None:
                 region.append(op)
             else:

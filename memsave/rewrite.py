@@ -148,7 +148,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
                                 ys, xs, grad_ys, options)
     options.stop = TensorSet(call.stop)
     with call.graph.as_default():
-        region = ForwardRegion.build(call.ys, call.xs)
+        region = ForwardRegion.build(call.ys, call.xs, call.stop)
         if not any(region.is_connected(x) for x in call.xs):
             return _plain_gradients(_plain_report(strategy_name, _UNCONNECTED, region), explicit,
                                     ys, xs, grad_ys, options)
@@ -243,7 +243,7 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None, offload=False)
     unknown_dim_size = check_unknown_dim_size(unknown_dim_size)
     if call.delegate:
         return _plain_report(strategy_name, call.delegate)
-    region = ForwardRegion.build(call.ys, call.xs)
+    region = ForwardRegion.build(call.ys, call.xs, call.stop)
     if not any(region.is_connected(x) for x in call.xs):
         return _plain_report(strategy_name, _UNCONNECTED, region)
     environment = Environment.read(call.graph, always_rewrite=_always_rewrite())

@@ -35,8 +35,15 @@ def is_copy(op):
 
 
 def stateful_copies(ops):
-    """Names of the recomputed copies among `ops` whose op is stateful."""
-    return [op.name for op in ops if is_copy(op) and op.op_def is not None and op.op_def.is_stateful]
+    """Names of the recomputed copies among `ops` whose op is stateful (a call of a
+    function is as stateful as that function: memsave.graph.calls)."""
+    from memsave.graph import calls
+
+    def stateful(op):
+        if calls.is_call(op):
+            return calls.why_call_not_repeatable(op) is not None
+        return op.op_def is not None and op.op_def.is_stateful
+    return [op.name for op in ops if is_copy(op) and stateful(op)]
 
 
 def variable_store():

@@ -51,6 +51,24 @@ def ops_made(graph):
     return max(graph._nodes_by_id, default=0)
 
 
+def ops_made_after(graph, index):
+    """The ops `graph` made after the op of creation index `index`, in creation order."""
+    made = graph._nodes_by_id
+    return [made[i] for i in range(index + 1, ops_made(graph) + 1) if i in made]
+
+
+def original_op(op):
+    """The op TensorFlow names as where `op` came from (a gradient op's forward op), or
+    None."""
+    return op._original_op
+
+
+def set_original_op(op, original):
+    """Names `original` as where `op` came from: TensorFlow's error messages about `op`
+    then point at it."""
+    op._original_op = original
+
+
 def colocate(op, with_op):
     """Puts `op` in `with_op`'s colocation groups: the `_class` attribute the placer reads,
     and that gradient ops built under `colocate_with(op)` inherit."""
@@ -80,7 +98,24 @@ def create_op_like(op, inputs, name):
         attrs=attrs, op_def=op.op_def, compute_device=False)
     if op.device:
         new_op._set_device(op.device)
+    for original, copied in zip(op.outputs, new_op.outputs):
+        # A function call's outputs get their shapes from the function, not from shape
+        # inference over its NodeDef: carry them over (compatible by construction).
+        copied.set_shape(copied.shape.merge_with(original.shape))
+    if op._gradient_function is not None:
+        # A tf.function call's gradient lives on the Python op (it rewrites that call
+        # to also output what its backward function reads): the copy takes it too.
+        new_op._gradient_function = op._gradient_function
     return new_op
+
+
+def function_definition(graph, name):
+    """The FunctionDef named `name` in `graph`'s function library (or an outer graph's),
+    or None where there is none."""
+    function = graph._get_function(name)
+    if function is None:
+        return None
+    return getattr(function, "cached_definition", None) or function.definition
 
 
 def control_flow_context(op):

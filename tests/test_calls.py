@@ -1,0 +1,198 @@
+"""Nested function calls (issue 28): a call of a `tf.function` is recomputed like any op
+when running it again gives the same outputs, and kept otherwise.
+
+Keras runs some layers as nested functions (ConvNeXt's grouped convolutions, compiled
+with jit_compile=True), and so does any model built from `tf.function`s. Every case
+compares memsave with tf.gradients in float64 in one graph, and counts the calls memsave
+copied.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave.graph import calls
+
+from _gradcheck import assert_same_gradients, is_copy, stateful_copies
+
+RNG = np.random.RandomState(1)
+W_VALUES = [RNG.standard_normal([16, 16]) / 4 for _ in range(8)]
+X = RNG.standard_normal([32, 16])
+
+
+def _layer(jit_compile):
+    @tf.function(jit_compile=jit_compile, autograph=False)
+    def layer(h, w):
+        return tf.tanh(tf.matmul(h, w)) * 1.5
+    return layer
+
+
+def _run_both(forward, weights, checkpoints="memory"):
+    """tf.gradients and memsave.gradients of sum(forward(x)**2) in one tf.function;
+    (expected, got, the step's graph, memsave's report)."""
+    reports = []
+
+    @tf.function(autograph=False)
+    def step(x):
+        y = tf.reduce_sum(forward(x) ** 2)
+        expected = tf.gradients(y, weights)
+        with memsave.always_rewrite():
+            got = memsave.gradients(y, weights, checkpoints=checkpoints)
+        reports.append(memsave.last_report())
+        return expected, got
+
+    x = tf.constant(X)
+    expected, got = step(x)
+    graph = step.get_concrete_function(x).graph
+    return [g.numpy() for g in expected], [g.numpy() for g in got], graph, reports[-1]
+
+
+def _copied_calls(graph):
+    return [op for op in graph.get_operations() if is_copy(op) and calls.is_call(op)]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["plain", "jit"])
+def test_calls_of_a_function_that_reads_variables_are_recomputed(jit_compile):
+    weights = [tf.Variable(w) for w in W_VALUES]
+    layer = _layer(jit_compile)
+
+    def forward(h):
+        for w in weights:
+            h = layer(h, w)
+        return h
+    expected, got, graph, report = _run_both(forward, weights)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    copied = _copied_calls(graph)
+    assert copied, report.summary()  # (all calls were kept as control flow before)
+    assert report.fallback is None and len(report.segments) >= 2, report.summary()
+    assert not stateful_copies(graph.get_operations())
+
+
+def test_a_call_copy_differentiates_through_the_same_backward_function_once():
+    """tf.gradients builds a called function's backward function once (a Python
+    gradient inside it runs once, however many calls); memsave's copies reuse it."""
+    calls_made = []
+
+    @tf.custom_gradient
+    def clipped_square(t):
+        def grad(dy):
+            calls_made.append(dy)
+            return tf.clip_by_value(dy * 2.0 * t, -0.5, 0.5)
+        return t * t, grad
+
+    weights = [tf.Variable(w) for w in W_VALUES[:6]]
+
+    def gradients_counted(gradient_fn):
+        del calls_made[:]
+
+        @tf.function(autograph=False)
+        def layer(h, w):  # (a new function per step: its backward is built per step)
+            return clipped_square(tf.tanh(tf.matmul(h, w)))
+
+        @tf.function(autograph=False)
+        def step(x):
+            h = x
+            for w in weights:
+                h = layer(h, w)
+            with memsave.always_rewrite():
+                return gradient_fn(tf.reduce_sum(h * 3.0), weights)
+        grads = [g.numpy() for g in step(tf.constant(X))]
+        return grads, len(calls_made)
+
+    expected, tf_calls = gradients_counted(tf.gradients)
+    got, memsave_calls = gradients_counted(
+        lambda y, xs: memsave.gradients(y, xs, checkpoints="memory"))
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert memsave.last_report().fallback is None
+    assert tf_calls == memsave_calls == 1, (tf_calls, memsave_calls)
+
+
+def test_a_call_of_a_function_with_a_random_op_is_kept():
+    weights = [tf.Variable(w) for w in W_VALUES]
+
+    @tf.function(autograph=False)
+    def noisy(h, w):
+        return tf.tanh(tf.matmul(h, w)) + tf.random.uniform(tf.shape(h), dtype=h.dtype) * 1e-3
+
+    def forward(h):
+        for w in weights:
+            h = noisy(h, w)
+        return h
+    expected, got, graph, report = _run_both(forward, weights)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert not _copied_calls(graph)
+    reasons = {reason for _, reason in report_kept(report)}
+    assert any("RandomUniform" in reason for reason in reasons), reasons
+
+
+def test_a_call_reading_a_variable_the_step_writes_is_kept():
+    """Run again after the write, the call would read the new value."""
+    weights = [tf.Variable(w) for w in W_VALUES]
+    scale = tf.Variable(1.0, dtype=tf.float64)
+
+    @tf.function(autograph=False)
+    def scaled(h, w):
+        return tf.tanh(tf.matmul(h, w)) * scale
+
+    def forward(h):
+        for w in weights:
+            h = scaled(h, w)
+        scale.assign_add(1.0)  # between the forward pass and the gradients
+        return h
+    expected, got, graph, report = _run_both(forward, weights)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert not _copied_calls(graph), [op.name for op in _copied_calls(graph)]
+    reasons = {reason for _, reason in report_kept(report)}
+    assert any("writes the variable it reads" in reason for reason in reasons), reasons
+
+
+def test_a_call_making_a_stop_gradient_is_kept_and_answered_as_tf_gradients():
+    """tf.gradients differentiates a call whose output is in stop_gradients anyway
+    (through a SymbolicGradient op); memsave keeps such a call and gives the same."""
+    layer = _layer(False)
+    weights = [tf.constant(w) for w in W_VALUES]
+
+    reports = []
+
+    @tf.function(autograph=False)
+    def step(x):
+        stopped = layer(x, weights[0])
+        h = stopped
+        for w in weights[1:]:
+            h = layer(h, w)
+        y = tf.reduce_sum(h * x[:, :16])
+        expected = tf.gradients(y, [x], stop_gradients=[stopped])
+        with memsave.always_rewrite():
+            got = memsave.gradients(y, [x], checkpoints="memory", stop_gradients=[stopped])
+        reports.append(memsave.last_report())
+        return expected, got
+
+    expected, got = step(tf.constant(X))
+    assert_same_gradients([g.numpy() for g in expected], [g.numpy() for g in got], rtol=1e-12)
+    kept = dict(reports[-1].not_recomputable)
+    assert "a function call whose output is in stop_gradients" in kept.values(), kept
+
+
+def test_nested_calls_in_a_v1_graph():
+    layer = _layer(False)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float64, [32, 16])
+        weights = [tf.constant(w) for w in W_VALUES]
+        h = x
+        for w in weights:
+            h = layer(h, w)
+        y = tf.reduce_sum(h ** 2)
+        expected = tf.gradients(y, [x] + weights)
+        with memsave.always_rewrite():
+            got = memsave.gradients(y, [x] + weights, checkpoints="memory")
+        assert _copied_calls(graph)
+        with tf.compat.v1.Session(graph=graph) as session:
+            expected, got = session.run([expected, got], {x: X})
+    assert_same_gradients(expected, got, rtol=1e-12)
+
+
+def report_kept(report):
+    """(op name, reason) of the ops memsave kept as not recomputable."""
+    return report.not_recomputable
