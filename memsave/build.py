@@ -254,6 +254,7 @@ class _Builder:
             grads = tf_gradients(copied_ys, locals_, grad_ys=seg_grad_ys,
                                   stop_gradients=stop + locals_, **self.options.passed)
             self._read_copies(ops, copy, made_before)
+            _trace_to_originals(copy, made_before)
             self._read_from_forward(ops, copy, made_before, gate)
             deferred = self._deferred_cones(local_inputs, grads, made_before)
             if self.plan.orders_backward:
@@ -496,3 +497,16 @@ def _xla_gate(trigger):
         first = tf.reduce_max(tf.reshape(trigger, [-1])[:1])  # -inf when empty
         as_bool = tf.cast(first, tf.bool)  # NaN -> True
         return tf.where(tf.equal(as_bool, as_bool), 1.0, float("nan"))
+
+
+def _trace_to_originals(copy, made_before):
+    """The gradient ops of a segment's copies (made after `made_before`) name the user's
+    forward op as the op they came from, as tf.gradients' do: TensorFlow's error messages
+    about a gradient op then point at the user's code, not at memsave's copy."""
+    if not copy.ops:
+        return
+    for op in _tf_private.ops_made_after(copy.ops[0].graph, made_before):
+        source = _tf_private.original_op(op)
+        original = copy.original(source) if source is not None else None
+        if original is not None:
+            _tf_private.set_original_op(op, original)

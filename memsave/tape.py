@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 _said_eager = []
 
 
+# memsave builds graphs; AutoGraph must not transpile it when a tf.function calls it
+# (that is slow, and would turn its Python `if`s into graph conditionals).
+_graph_code = tf.autograph.experimental.do_not_convert
+
+
 class GradientTape(tf.GradientTape):
     """`tf.GradientTape` whose `gradient` keeps only checkpoints (memsave.gradients).
 
@@ -126,12 +131,14 @@ class GradientTape(tf.GradientTape):
         return recorded
 
     # -- gradients -----------------------------------------------------------------
+    @_graph_code
     def jacobian(self, *args, **kwargs):
         """As tf.GradientTape.jacobian (the tape's own: it records and differentiates
         one row at a time, in a loop it builds)."""
         with self._the_tapes_own():
             return super().jacobian(*args, **kwargs)
 
+    @_graph_code
     def batch_jacobian(self, *args, **kwargs):
         """As tf.GradientTape.batch_jacobian (the tape's own)."""
         with self._the_tapes_own():
@@ -145,6 +152,7 @@ class GradientTape(tf.GradientTape):
         finally:
             self._as_tape = previous
 
+    @_graph_code
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         """As tf.GradientTape.gradient, computed by memsave.gradients in a graph."""

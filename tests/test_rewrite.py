@@ -470,3 +470,20 @@ def test_memory_runs_each_segments_large_gradient_ops_one_after_another():
     waiting = [later for _, later in chain]
     assert len(waiting) == len(set(waiting))  # one wait each: a chain, not a fan
     assert not [name for name in ops if ops[name].type == "Neg"]
+
+
+def test_gradient_ops_of_copies_point_at_the_users_op():
+    """TensorFlow's error messages about a gradient op name the forward op it came from
+    (`_original_op`): for memsave's gradients that is the user's op, not memsave's copy,
+    as with tf.gradients (TensorFlow's gradients_test checks it)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.constant(np.ones([4, 4]))
+        xw = tf.matmul(tf.constant(np.ones([4, 4])), w, name="xw")
+        h = xw
+        for _ in range(6):
+            h = tf.tanh(h)
+        with memsave.always_rewrite():
+            grad, = memsave.gradients(tf.reduce_sum(h), [w], checkpoints="memory")
+        assert "recompute" in grad.op.name  # (the segment's gradient of its copy of xw)
+        assert grad.op._original_op is xw.op

@@ -317,3 +317,16 @@ def test_a_tape_made_outside_the_patch_is_the_plain_tape():
         return tape.gradient(target, weights)
     step(tf.constant(X))
     assert memsave.last_report() is None
+
+
+def test_autograph_leaves_memsave_alone():
+    """A training step traced with AutoGraph (tf.function's default) calls memsave's
+    entry points as they are: AutoGraph would otherwise transpile memsave's own code,
+    turning its Python `if`s into graph conditionals."""
+    from memsave.integrations import patch
+
+    entry_points = [memsave.gradients, memsave.GradientTape.gradient,
+                    memsave.GradientTape.jacobian, patch._make_dispatcher(tf.gradients),
+                    patch._patched_tape_class(tf.GradientTape).gradient]
+    for entry in entry_points:
+        assert hasattr(entry, "autograph_info__"), entry  # (AutoGraph's own mark)

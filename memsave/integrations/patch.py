@@ -42,6 +42,8 @@ import inspect
 import logging
 import threading
 
+import tensorflow as tf
+
 from memsave.errors import MemsaveError
 from memsave import offload as offload_lib
 from memsave.integrations.optimizers import check_checkpoints, gradient_function
@@ -121,6 +123,7 @@ def _make_dispatcher(original):
 
     signature = inspect.signature(original)
 
+    @tf.autograph.experimental.do_not_convert
     def gradients(*args, **kwargs):
         with _lock:
             setting = _active[-1][1] if _active else None
@@ -194,6 +197,7 @@ def _patched_tape_class(original):
                 # was): the plain tape.
                 self._as_tape = setting is None
 
+            @tf.autograph.experimental.do_not_convert
             def gradient(self, *args, **kwargs):
                 if _in_memsave():
                     return original.gradient(self, *args, **kwargs)
