@@ -915,6 +915,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--app", default=None,
                         help="keras.applications model for --model keras (default ResNet50)")
+    parser.add_argument("--mixed-precision", choices=("float16", "bfloat16"), default=None,
+                        help="build a Keras model under Keras' mixed_float16 / mixed_bfloat16 "
+                             "dtype policy")
     parser.add_argument("--image-size", type=int, default=None,
                         help="input size for --model keras (default 64) or cnn (default 32)")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
@@ -962,6 +965,10 @@ def main(argv=None):
         model_options["app"] = args.app
     if args.image_size:
         model_options["image_size"] = args.image_size
+    if args.mixed_precision:
+        if args.model not in KERAS_MODELS:
+            parser.error(f"--mixed-precision applies to Keras models ({', '.join(KERAS_MODELS)})")
+        model_options["mixed_precision"] = args.mixed_precision
     strategies = _parse_list(args.strategies)
 
     if args.budget_sweep:

@@ -295,30 +295,27 @@ def build_transformer(depth=8, batch=16, seed=0, seq_len=128, d_model=128, heads
 # ----------------------------------------------------------------------------- keras
 
 def build_keras(depth=0, batch=16, seed=0, app="ResNet50", image_size=64, classes=10,
-                remat=None):
+                remat=None, mixed_precision=None):
     """A `keras.applications` model with random weights (`weights=None`, no download).
 
     `depth` is ignored (the application fixes it). Only the model's own forward pass
     runs inside the step, with `training=True` (batch norm uses batch statistics).
     `remat`: build it inside `keras.RematScope(mode=remat)` (Keras 3.9+).
+    `mixed_precision`: 'float16' or 'bfloat16' builds it under Keras' `mixed_<that>`
+    dtype policy (2-byte activations, float32 weights); the loss is taken in float32.
     """
-    import contextlib
-
     import keras
 
     keras.utils.set_random_seed(seed)
-    scope = keras.RematScope(mode=remat) if remat else contextlib.nullcontext()
     try:
         constructor = getattr(keras.applications, app)
     except AttributeError:
         raise ValueError(f"keras.applications has no model {app!r}; try ResNet50, "
                          f"MobileNetV2, DenseNet121") from None
-    with scope:
+    with _keras_scope(remat, mixed_precision):
         net = constructor(weights=None, input_shape=(image_size, image_size, 3), classes=classes)
-    variables = [v.value if hasattr(v, "value") else v for v in net.trainable_variables]
 
-    def forward(model, images, labels):
-        probabilities = net(images, training=True)
+    def loss_of(probabilities, labels):
         picked = tf.reduce_sum(probabilities * tf.one_hot(labels, classes), axis=-1)
         return -tf.reduce_mean(tf.math.log(picked + 1e-7))
 
@@ -326,10 +323,8 @@ def build_keras(depth=0, batch=16, seed=0, app="ResNet50", image_size=64, classe
     images = rng.standard_normal([batch, image_size, image_size, 3]).astype(np.float32)
     labels = rng.integers(0, classes, size=[batch]).astype(np.int32)
     description = (f"keras.applications.{app}(weights=None): {len(net.layers)} layers, "
-                   f"input {batch}x{image_size}x{image_size}x3")
-    model = BenchModel("keras", description, variables, (images, labels), forward, False)
-    model.keras_model = net
-    return model
+                   f"input {batch}x{image_size}x{image_size}x3" + _policy_note(mixed_precision))
+    return _keras_layer_model("keras", net, (images, labels), description, loss_of)
 
 
 # ----------------------------------------------------------------------------- Keras-layer models
@@ -337,21 +332,42 @@ def build_keras(depth=0, batch=16, seed=0, app="ResNet50", image_size=64, classe
 # memsave and keras.RematScope see what a Keras user's graph holds.
 
 def _keras_layer_model(name, net, inputs, description, loss_of):
-    """A BenchModel whose forward pass is `loss_of(net(features, training=True), labels)`."""
+    """A BenchModel whose forward pass is `loss_of(net(features, training=True), labels)`,
+    the network's output taken in float32 (under a mixed-precision policy it is not)."""
     variables = [v.value if hasattr(v, "value") else v for v in net.trainable_variables]
 
     def forward(model, features, labels):
-        return loss_of(net(features, training=True), labels)
+        return loss_of(tf.cast(net(features, training=True), tf.float32), labels)
 
     model = BenchModel(name, description, variables, inputs, forward, False)
     model.keras_model = net
     return model
 
 
-def _remat_scope(remat):
+MIXED_PRECISION = ("float16", "bfloat16")
+
+
+@contextlib.contextmanager
+def _keras_scope(remat=None, mixed_precision=None):
+    """Builds Keras layers inside `keras.RematScope(mode=remat)` and under the
+    `mixed_<mixed_precision>` dtype policy, the global policy restored on exit."""
     import keras
 
-    return keras.RematScope(mode=remat) if remat else contextlib.nullcontext()
+    if mixed_precision not in (None,) + MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={mixed_precision!r}; use one of "
+                         f"{', '.join(MIXED_PRECISION)}")
+    previous = keras.config.dtype_policy()
+    if mixed_precision:
+        keras.config.set_dtype_policy(f"mixed_{mixed_precision}")
+    try:
+        with keras.RematScope(mode=remat) if remat else contextlib.nullcontext():
+            yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def _policy_note(mixed_precision):
+    return f", mixed_{mixed_precision}" if mixed_precision else ""
 
 
 def _sparse_cross_entropy(logits, labels):
@@ -384,7 +400,7 @@ def _position_layer(keras, length, d_model):
 
 
 def build_vit(depth=8, batch=32, seed=0, image_size=64, patch=8, d_model=192, heads=3,
-              classes=10, remat=None):
+              classes=10, remat=None, mixed_precision=None):
     """A ViT from Keras layers: patches by a strided Conv2D, a learned position embedding,
     `depth` pre-LayerNorm blocks of `keras.layers.MultiHeadAttention` and a GELU MLP,
     mean-pooled tokens and a softmax head."""
@@ -392,7 +408,7 @@ def build_vit(depth=8, batch=32, seed=0, image_size=64, patch=8, d_model=192, he
 
     keras.utils.set_random_seed(seed)
     tokens = (image_size // patch) ** 2
-    with _remat_scope(remat):
+    with _keras_scope(remat, mixed_precision):
         images = keras.Input((image_size, image_size, 3))
         x = keras.layers.Conv2D(d_model, patch, strides=patch)(images)
         x = _position_layer(keras, tokens, d_model)(keras.layers.Reshape((tokens, d_model))(x))
@@ -404,19 +420,19 @@ def build_vit(depth=8, batch=32, seed=0, image_size=64, patch=8, d_model=192, he
     inputs = (rng.standard_normal([batch, image_size, image_size, 3]).astype(np.float32),
               rng.integers(0, classes, size=[batch]).astype(np.int32))
     description = (f"ViT (Keras layers): {depth} blocks, d {d_model}, {heads} heads, "
-                   f"{image_size} px, patch {patch}, batch {batch}")
+                   f"{image_size} px, patch {patch}, batch {batch}" + _policy_note(mixed_precision))
     return _keras_layer_model("vit", net, inputs, description, _sparse_cross_entropy)
 
 
 def build_gpt(depth=6, batch=8, seed=0, seq_len=256, d_model=256, heads=8, vocab=8000,
-              remat=None):
+              remat=None, mixed_precision=None):
     """A small GPT from Keras layers: `keras.layers.Embedding` tokens and a learned position
     embedding, `depth` causal pre-LayerNorm blocks, a vocabulary head; next-token loss.
     The embedding's gradient is sparse (IndexedSlices) under tf.gradients."""
     import keras
 
     keras.utils.set_random_seed(seed)
-    with _remat_scope(remat):
+    with _keras_scope(remat, mixed_precision):
         tokens = keras.Input((seq_len,), dtype="int32")
         x = keras.layers.Embedding(vocab, d_model)(tokens)
         x = _position_layer(keras, seq_len, d_model)(x)
@@ -427,19 +443,19 @@ def build_gpt(depth=6, batch=8, seed=0, seq_len=256, d_model=256, heads=8, vocab
     rng = np.random.default_rng(seed + 1)
     words = rng.integers(0, vocab, size=[batch, seq_len]).astype(np.int32)
     description = (f"GPT (Keras layers): {depth} causal blocks, d {d_model}, {heads} heads, "
-                   f"sequence {seq_len}, vocabulary {vocab}, batch {batch}")
+                   f"sequence {seq_len}, vocabulary {vocab}, batch {batch}" + _policy_note(mixed_precision))
     return _keras_layer_model("gpt", net, (words, np.roll(words, -1, axis=1)), description,
                               _sparse_cross_entropy)
 
 
 def build_lstm(depth=2, batch=64, seed=0, seq_len=100, units=256, features=32, classes=10,
-               remat=None):
+               remat=None, mixed_precision=None):
     """`depth` stacked `keras.layers.LSTM(units)` over a float sequence, a softmax head on
     the last step's output."""
     import keras
 
     keras.utils.set_random_seed(seed)
-    with _remat_scope(remat):
+    with _keras_scope(remat, mixed_precision):
         sequence = keras.Input((seq_len, features))
         x = sequence
         for layer in range(depth):
@@ -449,7 +465,7 @@ def build_lstm(depth=2, batch=64, seed=0, seq_len=100, units=256, features=32, c
     inputs = (rng.standard_normal([batch, seq_len, features]).astype(np.float32),
               rng.integers(0, classes, size=[batch]).astype(np.int32))
     description = (f"{depth} stacked Keras LSTM({units}), sequence {seq_len}, "
-                   f"{features} features, batch {batch}")
+                   f"{features} features, batch {batch}" + _policy_note(mixed_precision))
     return _keras_layer_model("lstm", net, inputs, description, _sparse_cross_entropy)
 
 

@@ -36,6 +36,7 @@ if str(REPO_ROOT) not in sys.path:
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from benchmarks import compare  # noqa: E402
 from memsave import measure  # noqa: E402
 
 CHILD_TARGET = "benchmarks.peak_breakdown:measure_breakdown"
@@ -171,7 +172,7 @@ def format_breakdown(result):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="cnn", choices=["cnn", "mlp", "transformer", "keras"])
+    parser.add_argument("--model", default="cnn", choices=compare.MODELS)
     parser.add_argument("--strategy", default="memory",
                         help="tf.gradients, or a memsave strategy name ('memory', 'speed', ...)")
     parser.add_argument("--depth", type=int)

@@ -77,6 +77,21 @@ def test_keras_layer_models_step_with_tf_gradients(name):
     assert name in compare.KERAS_MODELS and name not in compare.MARKING_MODELS
 
 
+def test_a_keras_model_under_mixed_bfloat16_restores_the_policy():
+    import keras
+
+    before = keras.config.dtype_policy().name
+    model = models.build_model("vit", seed=1, mixed_precision="bfloat16", **KERAS_TINY["vit"])
+    assert keras.config.dtype_policy().name == before
+    assert "mixed_bfloat16" in model.description
+    dtypes = {op.outputs[0].dtype for op in model.make_step(
+        lambda ys, xs: tf.gradients(ys, xs)).get_concrete_function(
+            *model.inputs).graph.get_operations() if op.type == "MatMul"}
+    assert tf.bfloat16 in dtypes
+    with pytest.raises(ValueError, match="mixed_precision='half'"):
+        models.build_model("vit", mixed_precision="half", **KERAS_TINY["vit"])
+
+
 def test_compare_mirrors_the_model_lists():
     assert compare.MODELS == models.MODELS
     assert compare.KERAS_MODELS == models.KERAS_MODELS
