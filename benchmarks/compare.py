@@ -491,8 +491,10 @@ def _fit(model, depth, batch, strategy, result, seed, model_options, timeout, ji
 
 
 # Gradients below this fraction of the largest one count as numerically zero: e.g. a conv
-# bias followed by batch norm has a true gradient of 0, and float32 leaves ~1e-7 of noise.
-NEGLIGIBLE = 1e-4
+# bias followed by batch norm has a true gradient of 0, and float32 leaves noise there that,
+# summed in another order, differs by up to ~1e-6 of the largest gradient (Keras ResNet50:
+# 8e-3 of 1e-4 of it; more in bfloat16). The same 1% as the tests' assert_same_gradients.
+NEGLIGIBLE = 1e-2
 
 
 def _max_relative_error(path, reference_path):
@@ -709,6 +711,57 @@ def _title(rows, args_line):
     first = next((row for row in rows if row.get("description")), rows[0])
     device = next((row["device"] for row in rows if row.get("device")), "unknown device")
     return f"{first.get('description') or first['model']}; {device}; `{args_line}`"
+
+
+# ----------------------------------------------------------------------------- predictions
+
+# The model families whose peaks the memory model should predict (issue 29): label,
+# model, depth, batch, model options (None: the model's default).
+PREDICT_FAMILIES = (
+    ("default CNN", "cnn", None, None, {}),
+    ("MLP", "mlp", None, None, {}),
+    ("transformer (own ops)", "transformer", None, None, {}),
+    ("Keras ResNet50 96 px", "keras", None, 16, {"app": "ResNet50", "image_size": 96}),
+    ("Keras ResNet50 96 px, mixed_bfloat16", "keras", None, 16,
+     {"app": "ResNet50", "image_size": 96, "mixed_precision": "bfloat16"}),
+    ("Keras ConvNeXtTiny 64 px", "keras", None, 16, {"app": "ConvNeXtTiny", "image_size": 64}),
+    ("ViT (Keras layers)", "vit", None, None, {}),
+    ("GPT (Keras layers)", "gpt", None, None, {}),
+    ("2 x Keras LSTM(256)", "lstm", None, None, {}),
+)
+PREDICT_COLUMNS = ("model", "strategy", "measured MiB", "predicted MiB", "error")
+
+
+def predict_table(families=PREDICT_FAMILIES, strategies=(BASELINE, "memory"), steps=1,
+                  warmup=1, seed=0, timeout=900):
+    """Measured against predicted peaks for every family and strategy (each configuration
+    in its own process, as compare() measures); one row per (family, strategy)."""
+    rows = []
+    for label, model, depth, batch, options in families:
+        measured = compare(model, depth, batch, [s for s in strategies if s != BASELINE],
+                           steps, warmup, seed, model_options=dict(options), timeout=timeout,
+                           baseline=BASELINE in strategies, paired=False)
+        for row in measured:
+            rows.append(dict(row, family=label))
+    return rows
+
+
+def format_predict_table(rows, markdown=False):
+    """The predictions as text (or Markdown): measured and predicted peak and their error."""
+    cells = [[row["family"], row["strategy"]] + (
+        [_fmt(row["peak_mb"], ".1f"), _fmt(row["predicted_mb"], ".1f"),
+         _fmt(row["predicted_error"], "+.0%")] if row["status"] == "ok"
+        else [row["status"] or "failed", "-", "-"]) for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(PREDICT_COLUMNS) + " |",
+                 "|---|---|---:|---:|---:|"]
+        return "\n".join(lines + ["| " + " | ".join(line) + " |" for line in cells]) + "\n"
+    table = [list(PREDICT_COLUMNS)] + cells
+    widths = [max(len(line[i]) for line in table) for i in range(len(PREDICT_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(line, widths))) for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -934,6 +987,10 @@ def main(argv=None):
     parser.add_argument("--depths", default=None, help="comma-separated depths for --sweep")
     parser.add_argument("--png", default=None,
                         help="plot for --sweep (default benchmarks/results/sweep_<model>.png)")
+    parser.add_argument("--predict-table", action="store_true",
+                        help="the memory model's predicted peak against the measured one for "
+                             "every model family (PREDICT_FAMILIES) and each of --strategies "
+                             "(default tf.gradients,memory); no timings (one step each)")
     parser.add_argument("--build-time", action="store_true",
                         help="time memsave.gradients's rewrite vs tf.gradients on generated "
                              "graphs of ~1k, ~5k, ~20k ops (in this process)")
@@ -945,6 +1002,21 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     command = "python benchmarks/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    if args.predict_table:
+        strategies = _parse_list(args.strategies) or [BASELINE, "memory"]
+        rows = predict_table(strategies=strategies, seed=args.seed, timeout=args.timeout)
+        device = next((row["device"] for row in rows if row.get("device")), "unknown device")
+        title = f"Predicted against measured peaks; {device}; `{command}`"
+        print(title)
+        print(format_predict_table(rows))
+        if args.csv:
+            write_csv(rows, args.csv)
+        if args.markdown:
+            Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.markdown).write_text(f"{title}\n\n{format_predict_table(rows, True)}",
+                                           encoding="utf-8")
+        return 0
 
     if args.build_time:
         from benchmarks import bench_rewrite_time

@@ -178,6 +178,8 @@ def main(argv=None):
     parser.add_argument("--depth", type=int)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--app", help="keras.applications model for --model keras")
+    parser.add_argument("--mixed-precision", choices=("float16", "bfloat16"), default=None,
+                        help="build a Keras model under Keras' mixed precision policy")
     parser.add_argument("--image-size", type=int)
     parser.add_argument("--top", type=int, default=15, help="largest buffers to list")
     parser.add_argument("--timeout", type=int, default=1200)
@@ -185,6 +187,8 @@ def main(argv=None):
     options = {}
     if args.app:
         options["app"] = args.app
+    if args.mixed_precision:
+        options["mixed_precision"] = args.mixed_precision
     if args.image_size:
         options["image_size"] = args.image_size
     result = measure.run_isolated(CHILD_TARGET, timeout=args.timeout, model=args.model,

@@ -151,6 +151,27 @@ def test_compare_runs_tape_configs_and_refuses_remat_off_keras(tmp_path, capsys)
     assert "vit" in rows["remat:activations"]["message"]
 
 
+def test_predict_table_lists_measured_and_predicted_peaks():
+    families = [("tiny MLP", "mlp", 4, 64, {}), ("tiny transformer", "transformer", 2, 2,
+                                                 {"seq_len": 8, "d_model": 16, "heads": 2,
+                                                  "d_ff": 16, "vocab": 20})]
+    rows = compare.predict_table(families, strategies=("tf.gradients", "memory"))
+    assert [(row["family"], row["strategy"]) for row in rows] == [
+        ("tiny MLP", "tf.gradients"), ("tiny MLP", "memory"),
+        ("tiny transformer", "tf.gradients"), ("tiny transformer", "memory")]
+    for row in rows:
+        assert row["status"] == "ok", row["message"]
+        assert row["peak_mb"] > 0 and row["predicted_mb"] > 0
+        assert row["predicted_error"] == pytest.approx(row["predicted_mb"] / row["peak_mb"] - 1)
+    text = compare.format_predict_table(rows)
+    assert text.splitlines()[0].split() == ["model", "strategy", "measured", "MiB", "predicted",
+                                            "MiB", "error"]
+    markdown = compare.format_predict_table(rows, markdown=True)
+    assert markdown.count("| tiny MLP |") == 2
+    assert {name for name, *_ in compare.PREDICT_FAMILIES} >= {"ViT (Keras layers)",
+                                                             "2 x Keras LSTM(256)"}
+
+
 def _small_compare(capsys, *flags):
     """compare.py on a 4-layer MLP, tf.gradients and 'memory', with `flags`; its output."""
     code = compare.main(["--model", "mlp", "--depth", "4", "--batch", "64", "--steps", "1",

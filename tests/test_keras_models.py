@@ -1,0 +1,69 @@
+"""Models built from Keras' own layers and applications, in float64, give tf.gradients'
+gradients under memsave: attention (`MultiHeadAttention`, a causal mask), a sparse
+`Embedding` gradient, and ConvNeXt, whose grouped convolutions Keras runs as nested
+jit-compiled functions that memsave recomputes (tests/test_calls.py has the small cases).
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave.graph import calls
+
+from _gradcheck import assert_same_gradients, is_copy
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import models  # noqa: E402
+
+CASES = {
+    "gpt": dict(depth=2, batch=2, seq_len=16, d_model=16, heads=2, vocab=50),
+    "vit": dict(depth=2, batch=2, image_size=16, patch=4, d_model=16, heads=2),
+    "convnext": dict(batch=2, app="ConvNeXtTiny", image_size=32),
+}
+# Gradients that are zero in exact arithmetic (attention's key bias: softmax ignores a
+# constant added to every key) come out as float64 rounding noise, around 1e-17.
+ATOL = 1e-13
+
+
+@pytest.fixture
+def float64_keras():
+    import keras
+
+    previous = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    yield
+    keras.config.set_floatx(previous)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_keras_layer_models_are_exact_in_float64(name, float64_keras):
+    options = dict(CASES[name])
+    model = models.build_model("keras" if name == "convnext" else name, seed=0, **options)
+    inputs = [a.astype(np.float64) if a.dtype == np.float32 else a for a in model.inputs]
+    reports = []
+
+    @tf.function(autograph=False)
+    def step(*features):
+        loss = model.loss(*features)
+        expected = tf.gradients(loss, model.variables)
+        got = memsave.gradients(loss, model.variables, checkpoints="memory")
+        reports.append(memsave.last_report())
+        return expected, got
+
+    expected, got = step(*inputs)
+    assert reports[-1].fallback is None and len(reports[-1].segments) >= 2, reports[-1].summary()
+    assert [type(g) for g in expected] == [type(g) for g in got]  # (sparse stays sparse)
+    assert_same_gradients([tf.convert_to_tensor(g).numpy() for g in expected],
+                          [tf.convert_to_tensor(g).numpy() for g in got], rtol=1e-12, atol=ATOL)
+    if name == "convnext":
+        graph = step.get_concrete_function(*inputs).graph
+        assert any(is_copy(op) and calls.is_call(op) for op in graph.get_operations())
+    if name == "gpt":
+        assert any(isinstance(g, tf.IndexedSlices) for g in got)
