@@ -699,10 +699,10 @@ def _notes(rows):
     return [f"  {row['strategy']}: {row['message']}" for row in rows if row.get("message")]
 
 
-def write_csv(rows, path):
+def write_csv(rows, path, fields=CSV_FIELDS):
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -1011,7 +1011,7 @@ def main(argv=None):
         print(title)
         print(format_predict_table(rows))
         if args.csv:
-            write_csv(rows, args.csv)
+            write_csv(rows, args.csv, ("family",) + CSV_FIELDS)
         if args.markdown:
             Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
             Path(args.markdown).write_text(f"{title}\n\n{format_predict_table(rows, True)}",
