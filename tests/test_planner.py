@@ -319,22 +319,43 @@ def test_buffers_shared_by_reshapes_cost_nothing():
     assert [p - shape_constants for p in peaks] == list(plain_peaks)
 
 
+def _region_reads(loss, xs):
+    model = planner.model_of(ForwardRegion.build([loss], xs))
+    graph = model.graph
+    return {graph.ops[op].type: {graph.tensors[t].name for t in graph.grad_reads[op]}
+            for op in graph.region_op_ids()}
+
+
 def test_gradient_read_rules_follow_the_op_type():
-    # relu(x @ w): MatMul's gradient reads x and w, Relu's reads its output, so the
-    # matmul output is freed in the forward pass; Mul's gradient reads both inputs.
+    # relu(x @ w) * x: MatMul's gradient for x reads w and for w reads x; Relu's reads its
+    # output, so the matmul output is freed in the forward pass; Mul's, as MatMul's.
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [256, 256])
         w = tf.compat.v1.placeholder(tf.float32, [256, 256])
         product = tf.matmul(x, w)
         loss = tf.reduce_sum(tf.nn.relu(product) * x)
-        model = planner.model_of(ForwardRegion.build([loss], [w]))
-        graph = model.graph
-        reads = {graph.ops[op].type: {graph.tensors[t].name for t in graph.grad_reads[op]}
-                 for op in graph.region_op_ids()}
-    assert reads["MatMul"] == {x.name, w.name}
-    assert reads["Relu"] == {"Relu:0"}
-    assert reads["Mul"] == {"Relu:0", x.name}
-    assert reads["Sum"] == set()
+        both = _region_reads(loss, [x, w])
+        weight_only = _region_reads(loss, [w])
+    assert both["MatMul"] == {x.name, w.name}
+    assert both["Relu"] == {"Relu:0"}
+    assert both["Mul"] == {"Relu:0", x.name}
+    assert both["Sum"] == set()
+    # With only w differentiated, the gradients for x are never run (TensorFlow prunes
+    # what no x needs): the matmul's of w reads x, the product's of relu reads x.
+    assert weight_only["MatMul"] == {x.name}
+    assert weight_only["Mul"] == {x.name}
+
+
+def test_a_product_with_a_constant_keeps_nothing_of_the_other_factor():
+    """Attention scales its scores by a constant: the scores are not read by the
+    backward pass (tf.gradients' gradient for the constant is never run)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 64])
+        scores = tf.matmul(x, x, transpose_b=True)
+        loss = tf.reduce_sum(tf.nn.softmax(scores * 0.125))
+        reads = _region_reads(loss, [x])
+    assert reads["Mul"] == {"mul/y:0"}
+    assert reads["Softmax"] == {"Softmax:0"}
 
 
 # -- search ------------------------------------------------------------------------------

@@ -252,12 +252,6 @@ class StepGraph:
                 if (t.op, t.value_index) in self.tensor_id and is_data(t)})
             passes = set(probe.differentiated)
         else:
-            reads_in, reads_out = opinfo.gradient_reads(
-                None if custom else op.type, len(op.inputs), len(op.outputs))
-            if len(ins) == len(op.inputs):
-                self.grad_reads[index] = [ins[i] for i in reads_in
-                                          if is_data(self.tensors[ins[i]])]
-            self.grad_reads[index] += [outs[i] for i in reads_out]
             passes = set(range(len(ins))) if opinfo.passes_gradient(op) else set()
         differentiated = []
         for i, tid in enumerate(ins):
@@ -268,6 +262,15 @@ class StepGraph:
             if t.dtype == tf.resource or t.dtype.is_floating or t.dtype.is_complex:
                 self.grad_inputs[index].append((tid, self.size[tid]))
                 differentiated.append(i)
+        if probe is None:
+            reads_in, reads_out = (
+                opinfo.gradient_reads(None, len(op.inputs), len(op.outputs)) if custom
+                else opinfo.differentiated_reads(op.type, len(op.inputs), len(op.outputs),
+                                                 differentiated))
+            if len(ins) == len(op.inputs):
+                self.grad_reads[index] = [ins[i] for i in reads_in
+                                          if is_data(self.tensors[ins[i]])]
+            self.grad_reads[index] += [outs[i] for i in reads_out]
         if not differentiated:
             stops.update(t for t in outs if not self.is_x[t])
         if probe is not None:

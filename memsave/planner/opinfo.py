@@ -118,6 +118,46 @@ def gradient_reads(op_type, num_inputs, num_outputs):
             tuple(i for i in outputs if i < num_outputs))
 
 
+# Ops whose gradient with respect to each input reads different tensors: (input
+# indices, output indices) per differentiated input. tf.gradients builds the gradient of
+# every input, but TensorFlow never runs the part no x needs (a Mul by a constant, a
+# MatMul with a fixed matrix): its reads are only those of the inputs that get a
+# gradient. Keras' attention scales its scores by a constant, so the scores themselves
+# are not kept for the backward pass.
+_READS_PER_INPUT = {
+    "Mul": {0: ((1,), ()), 1: ((0,), ())},
+    "MatMul": {0: ((1,), ()), 1: ((0,), ())},
+    "BatchMatMul": {0: ((1,), ()), 1: ((0,), ())},
+    "BatchMatMulV2": {0: ((1,), ()), 1: ((0,), ())},
+    "BatchMatMulV3": {0: ((1,), ()), 1: ((0,), ())},
+    "Einsum": {0: ((1,), ()), 1: ((0,), ())},
+    "Conv2D": {0: ((1,), ()), 1: ((0,), ())},
+    "Conv3D": {0: ((1,), ()), 1: ((0,), ())},
+    "DepthwiseConv2dNative": {0: ((1,), ()), 1: ((0,), ())},
+    "RealDiv": {0: ((1,), ()), 1: ((0, 1), ())},
+    "Div": {0: ((1,), ()), 1: ((0, 1), ())},
+    "DivNoNan": {0: ((1,), ()), 1: ((0, 1), ())},
+}
+
+
+def differentiated_reads(op_type, num_inputs, num_outputs, differentiated):
+    """The forward tensors the gradient of an op of `op_type` reads when only the inputs
+    `differentiated` get a gradient (the others' part is never run).
+
+    Returns:
+      (input indices, output indices), as gradient_reads.
+    """
+    per_input = _READS_PER_INPUT.get(op_type)
+    if per_input is None or num_inputs != 2:
+        return gradient_reads(op_type, num_inputs, num_outputs)
+    inputs, outputs = set(), set()
+    for i in differentiated:
+        reads_in, reads_out = per_input[i]
+        inputs.update(reads_in)
+        outputs.update(j for j in reads_out if j < num_outputs)
+    return tuple(sorted(inputs)), tuple(sorted(outputs))
+
+
 def gradient_temporaries(op_type, input_bytes, output_bytes, differentiated):
     """Bytes of the short-lived tensors the gradient of an op makes besides its results.
 
