@@ -1025,3 +1025,25 @@ def test_a_weight_gradient_is_deferred_only_where_every_reader_and_a_dense_gradi
         total = loss + penalty + tf.reduce_sum(rows * tf.reduce_mean(h))
         graph = planner.model_of(ForwardRegion.build([total], [x, w.handle, table.handle])).graph
     assert graph.deferred == {}
+
+
+def test_gradients_that_pass_through_unchanged_share_their_buffer():
+    """Add's gradient for an input shaped as its output, BiasAdd's for its value and a
+    reshape's are the incoming gradient itself (tf.gradients returns the same tensor);
+    a broadcast operand's is a new, reduced tensor."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 32])
+        b = tf.compat.v1.placeholder(tf.float32, [32])
+        h = tf.tanh(x)
+        biased = tf.nn.bias_add(h, b)
+        summed = biased + tf.sin(x)
+        broadcast = summed + tf.reduce_mean(x, axis=0)
+        loss = tf.reduce_sum(tf.reshape(broadcast, [-1]))
+        step = planner.StepGraph.build(ForwardRegion.build([loss], [x, b]))
+        def passes(op_tensor, input_tensor):
+            return step.gradient_passes_through(step.op_id[op_tensor.op], step.id_of(input_tensor))
+        assert passes(biased, h) and not passes(biased, b)
+        assert passes(summed, biased) and passes(summed, summed.op.inputs[1])
+        assert passes(broadcast, summed) and not passes(broadcast, broadcast.op.inputs[1])
+        reshape = loss.op.inputs[0].op
+        assert step.gradient_passes_through(step.op_id[reshape], step.id_of(broadcast))

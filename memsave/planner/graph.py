@@ -349,6 +349,21 @@ class StepGraph:
         return sorted(found)
 
     # -- queries -----------------------------------------------------------------------
+    def gradient_passes_through(self, op, tid):
+        """Whether op `op`'s gradient for its input `tid` is its incoming gradient itself,
+        sharing its buffer: an identity's (a reshape's), an Add's of an input shaped as
+        its output, a BiasAdd's of its value (a custom gradient makes its own)."""
+        outs = self.outputs[op]
+        if not outs or op in self.custom_gradient_ops:
+            return False
+        if self.alias_of[outs[0]] >= 0:
+            return True
+        tf_op = self.ops[op]
+        return self.size[tid] == self.size[outs[0]] and any(
+            opinfo.passes_gradient_through(tf_op.type, i)
+            for i, t in enumerate(tf_op.inputs)
+            if self.tensor_id.get((t.op, t.value_index)) == tid)
+
     def buffer_of(self, tid):
         """The tensor whose buffer `tid` shares (itself when it owns one)."""
         while self.alias_of[tid] >= 0:

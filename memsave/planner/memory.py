@@ -419,13 +419,10 @@ class MemoryModel:
                 deferred.append((op, later, reads + incoming, temporaries))
         if temporaries:
             timeline.buffer(step, temporaries, "gradients", -(op + 1))
-        # An identity's gradient is its incoming one (a custom gradient makes its own).
-        aliased = (bool(graph.outputs[op]) and graph.alias_of[graph.outputs[op][0]] >= 0
-                   and op not in graph.custom_gradient_ops)
         for tid, nbytes in graph.grad_inputs[op]:
             if later and (tid, nbytes) in later:
                 continue
-            shares = incoming[0] if aliased and incoming and incoming[0] is not None else None
+            shares = incoming[0] if incoming and graph.gradient_passes_through(op, tid) else None
             gradients.contribute(tid, nbytes, step, shares)
 
     def _deferred_steps(self, deferred, gradients, timeline):

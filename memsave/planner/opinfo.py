@@ -140,6 +140,19 @@ _READS_PER_INPUT = {
 }
 
 
+# Ops whose gradient for these inputs is the incoming gradient itself, the same tensor,
+# where the input is shaped as the output (Add's of equal shapes, BiasAdd's of its
+# value, AddN's of every input): it takes no buffer of its own.
+_PASS_THROUGH = {"Add": (0, 1), "AddV2": (0, 1), "Sub": (0,), "BiasAdd": (0,),
+                 "BiasAddV1": (0,)}
+
+
+def passes_gradient_through(op_type, index):
+    """Whether the gradient of an op of `op_type` for its input `index` is the incoming
+    gradient itself when that input has the output's size."""
+    return op_type == "AddN" or index in _PASS_THROUGH.get(op_type, ())
+
+
 def differentiated_reads(op_type, num_inputs, num_outputs, differentiated):
     """The forward tensors the gradient of an op of `op_type` reads when only the inputs
     `differentiated` get a gradient (the others' part is never run).
