@@ -83,6 +83,8 @@ def test_a_call_copy_differentiates_through_the_same_backward_function_once():
 
     weights = [tf.Variable(w) for w in W_VALUES[:6]]
 
+    copied = []
+
     def gradients_counted(gradient_fn):
         del calls_made[:]
 
@@ -98,6 +100,7 @@ def test_a_call_copy_differentiates_through_the_same_backward_function_once():
             with memsave.always_rewrite():
                 return gradient_fn(tf.reduce_sum(h * 3.0), weights)
         grads = [g.numpy() for g in step(tf.constant(X))]
+        copied.extend(_copied_calls(step.get_concrete_function(tf.constant(X)).graph))
         return grads, len(calls_made)
 
     expected, tf_calls = gradients_counted(tf.gradients)
@@ -106,6 +109,7 @@ def test_a_call_copy_differentiates_through_the_same_backward_function_once():
     assert_same_gradients(expected, got, rtol=1e-12)
     assert memsave.last_report().fallback is None
     assert tf_calls == memsave_calls == 1, (tf_calls, memsave_calls)
+    assert copied  # (the calls were recomputed, not kept)
 
 
 def test_a_call_of_a_function_with_a_random_op_is_kept():
@@ -196,3 +200,49 @@ def test_nested_calls_in_a_v1_graph():
 def report_kept(report):
     """(op name, reason) of the ops memsave kept as not recomputable."""
     return report.not_recomputable
+
+
+def test_calls_reading_variables_in_a_v1_graph_are_recomputed():
+    """A variable's initializer writes it once, before any step: not a write of the step."""
+    layer = _layer(False)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float64, [32, 16])
+        weights = [tf.compat.v1.get_variable(f"w{i}", initializer=w, use_resource=True)
+                   for i, w in enumerate(W_VALUES)]
+        h = x
+        for w in weights:
+            h = layer(h, w)
+        y = tf.reduce_sum(h ** 2)
+        expected = tf.gradients(y, weights)
+        got = memsave.gradients(y, weights, checkpoints="memory")
+        assert _copied_calls(graph), memsave.last_report().summary()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            expected, got = session.run([expected, got], {x: X})
+    assert_same_gradients(expected, got, rtol=1e-12)
+
+
+def test_a_second_gradient_call_still_recomputes_calls():
+    """memsave's first call reads each variable through its own identity: that is no
+    write, so a second call (another loss, a persistent tape) recomputes the calls too."""
+    weights = [tf.Variable(w) for w in W_VALUES]
+    layer = _layer(False)
+    reports = []
+
+    @tf.function(autograph=False)
+    def step(x):
+        h = x
+        for w in weights:
+            h = layer(h, w)
+        first = memsave.gradients(tf.reduce_sum(h ** 2), weights, checkpoints="memory")
+        second = memsave.gradients(tf.reduce_sum(tf.sin(h)), weights, checkpoints="memory")
+        reports.append(memsave.last_report())
+        expected = tf.gradients(tf.reduce_sum(tf.sin(h)), weights)
+        return first, second, expected
+
+    _, second, expected = step(tf.constant(X))
+    assert_same_gradients([g.numpy() for g in expected], [g.numpy() for g in second],
+                          rtol=1e-12)
+    kept = [why for _, why in reports[-1].not_recomputable if "function call" in why]
+    assert not kept, kept

@@ -108,14 +108,35 @@ def _read_only_resource_inputs(op):
     return list(attrs["_read_only_resource_inputs"].list.i)
 
 
-def _resource_writer(handle):
-    """An op of the graph that may write the resource `handle` stands for, or None."""
+# Ops that pass a resource handle on unchanged: what reads their output reads the handle.
+_HANDLE_ALIAS_TYPES = frozenset(["Identity"])
+
+
+def _resource_writer(handle, initializers=None):
+    """An op of the graph that may write the resource `handle` stands for, or None.
+
+    A variable's initializer (a tf.compat.v1 graph's, run once before any step) does not
+    count; an identity of the handle (memsave's own segment inputs are such) is followed.
+    """
+    if initializers is None:
+        initializers = _initializer_ops(handle.graph)
     for consumer in handle.consumers():
-        if consumer.type in _RESOURCE_READ_TYPES:
+        if consumer.type in _RESOURCE_READ_TYPES or consumer in initializers:
             continue
+        if consumer.type in _HANDLE_ALIAS_TYPES:
+            writer = _resource_writer(consumer.outputs[0], initializers)
+            if writer is None:
+                continue
+            return writer
         if is_call(consumer):
             indices = [i for i, t in enumerate(consumer.inputs) if t is handle]
             if set(indices) <= set(_read_only_resource_inputs(consumer)):
                 continue
         return consumer
     return None
+
+
+def _initializer_ops(graph):
+    """The initializers of the variables a tf.compat.v1 graph collects."""
+    variables = (graph.get_collection("variables") + graph.get_collection("local_variables"))
+    return {v.initializer for v in variables if getattr(v, "initializer", None) is not None}
