@@ -28,6 +28,15 @@ def _layer(jit_compile):
     return layer
 
 
+def _chained(layer, weights):
+    """forward(h): `layer` applied with each weight in turn."""
+    def forward(h):
+        for w in weights:
+            h = layer(h, w)
+        return h
+    return forward
+
+
 def _run_both(forward, weights, checkpoints="memory"):
     """tf.gradients and memsave.gradients of sum(forward(x)**2) in one tf.function;
     (expected, got, the step's graph, memsave's report)."""
@@ -55,13 +64,7 @@ def _copied_calls(graph):
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["plain", "jit"])
 def test_calls_of_a_function_that_reads_variables_are_recomputed(jit_compile):
     weights = [tf.Variable(w) for w in W_VALUES]
-    layer = _layer(jit_compile)
-
-    def forward(h):
-        for w in weights:
-            h = layer(h, w)
-        return h
-    expected, got, graph, report = _run_both(forward, weights)
+    expected, got, graph, report = _run_both(_chained(_layer(jit_compile), weights), weights)
     assert_same_gradients(expected, got, rtol=1e-12)
     copied = _copied_calls(graph)
     assert copied, report.summary()  # (all calls were kept as control flow before)
@@ -119,11 +122,7 @@ def test_a_call_of_a_function_with_a_random_op_is_kept():
     def noisy(h, w):
         return tf.tanh(tf.matmul(h, w)) + tf.random.uniform(tf.shape(h), dtype=h.dtype) * 1e-3
 
-    def forward(h):
-        for w in weights:
-            h = noisy(h, w)
-        return h
-    expected, got, graph, report = _run_both(forward, weights)
+    expected, got, graph, report = _run_both(_chained(noisy, weights), weights)
     assert_same_gradients(expected, got, rtol=1e-12)
     assert not _copied_calls(graph)
     reasons = {reason for _, reason in report_kept(report)}
