@@ -328,7 +328,9 @@ def test_relative_error_of_a_numerically_zero_gradient_is_taken_against_the_larg
     reference, other = tmp_path / "a.npz", tmp_path / "b.npz"
     np.savez(reference, g0000=np.array([100.0]), g0001=np.array([1e-9]))
     np.savez(other, g0000=np.array([100.0]), g0001=np.array([-1e-9]))
-    assert compare._max_relative_error(other, reference) == pytest.approx(2e-9 / 1e-2)
+    # (the floor: 1% of the largest gradient, as assert_same_gradients' in the tests)
+    assert compare.NEGLIGIBLE == 1e-2
+    assert compare._max_relative_error(other, reference) == pytest.approx(2e-9 / 1.0)
 
 
 def test_build_time_rows_on_a_small_generated_graph():
