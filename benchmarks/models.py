@@ -350,20 +350,34 @@ MIXED_PRECISION = ("float16", "bfloat16")
 @contextlib.contextmanager
 def _keras_scope(remat=None, mixed_precision=None):
     """Builds Keras layers inside `keras.RematScope(mode=remat)` and under the
-    `mixed_<mixed_precision>` dtype policy, the global policy restored on exit."""
+    `mixed_<mixed_precision>` dtype policy, Keras' global policy as it was on exit."""
     import keras
 
     if mixed_precision not in (None,) + MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r}; use one of "
                          f"{', '.join(MIXED_PRECISION)}")
-    previous = keras.config.dtype_policy()
-    if mixed_precision:
-        keras.config.set_dtype_policy(f"mixed_{mixed_precision}")
-    try:
+    with _global_dtype_policy(f"mixed_{mixed_precision}" if mixed_precision else None):
         with keras.RematScope(mode=remat) if remat else contextlib.nullcontext():
             yield
+
+
+@contextlib.contextmanager
+def _global_dtype_policy(name):
+    """Keras' global dtype policy set to `name` (None: left alone), restored on exit to
+    what it was, unset included: reading it with keras.config.dtype_policy() would fix it
+    at the float type of that moment, and a later keras.config.set_floatx would not apply."""
+    if name is None:
+        yield
+        return
+    import keras
+    from keras.src.backend.common import global_state
+
+    previous = global_state.get_global_attribute("dtype_policy", None)
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
     finally:
-        keras.config.set_dtype_policy(previous)
+        global_state.set_global_attribute("dtype_policy", previous)
 
 
 def _policy_note(mixed_precision):

@@ -93,12 +93,16 @@ def create_op_like(op, inputs, name):
     """
     graph = op.graph
     attrs = {key: op.node_def.attr[key] for key in op.node_def.attr}
+    outputs = op.outputs
+    inference = _inference_call(op)
+    if inference is not None:
+        attrs, outputs = _as_inference_call(attrs, outputs, *inference)
     new_op = graph._create_op_internal(
-        op.type, list(inputs), dtypes=[t.dtype for t in op.outputs], name=name,
+        op.type, list(inputs), dtypes=[t.dtype for t in outputs], name=name,
         attrs=attrs, op_def=op.op_def, compute_device=False)
     if op.device:
         new_op._set_device(op.device)
-    for original, copied in zip(op.outputs, new_op.outputs):
+    for original, copied in zip(outputs, new_op.outputs):
         # A function call's outputs get their shapes from the function, not from shape
         # inference over its NodeDef: carry them over (compatible by construction).
         copied.set_shape(copied.shape.merge_with(original.shape))
@@ -107,6 +111,35 @@ def create_op_like(op, inputs, name):
         # to also output what its backward function reads): the copy takes it too.
         new_op._gradient_function = op._gradient_function
     return new_op
+
+
+def _inference_call(op):
+    """(inference function name, its output count) of a tf.function call op whose
+    gradient tf.gradients already took: that rewrote the op to call a forward function
+    with extra outputs for its backward function. None for any other op."""
+    delayed = getattr(op._gradient_function, "__self__", None)
+    inference = getattr(delayed, "_inference_function", None)
+    if inference is None or "f" not in op.node_def.attr:
+        return None
+    name = inference.name.decode() if isinstance(inference.name, bytes) else inference.name
+    if op.node_def.attr["f"].func.name == name:
+        return None
+    return name, len(inference.cached_definition.signature.output_arg)
+
+
+def _as_inference_call(attrs, outputs, name, count):
+    """A copy of a rewritten call calls the inference function again, with its outputs
+    only: its gradient is then the backward function tf.gradients built for the
+    original (cached, the same numbers), not a second one for the extra outputs."""
+    attrs = dict(attrs)
+    function = attr_value_pb2.AttrValue()
+    function.CopyFrom(attrs["f"])
+    function.func.name = name
+    attrs["f"] = function
+    types = attr_value_pb2.AttrValue()
+    types.list.type.extend(attrs["Tout"].list.type[:count])
+    attrs["Tout"] = types
+    return attrs, outputs[:count]
 
 
 def function_definition(graph, name):

@@ -47,7 +47,9 @@ class CopyResult:
     def _map(op_or_tensor, table):
         if hasattr(op_or_tensor, "value_index"):
             op = table.get(op_or_tensor.op)
-            return None if op is None else op.outputs[op_or_tensor.value_index]
+            index = op_or_tensor.value_index
+            # (A copy of a call tf.gradients rewrote has its inference outputs only.)
+            return None if op is None or index >= len(op.outputs) else op.outputs[index]
         return table.get(op_or_tensor)
 
     def __len__(self):
