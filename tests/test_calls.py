@@ -245,3 +245,37 @@ def test_a_second_gradient_call_still_recomputes_calls():
                           rtol=1e-12)
     kept = [why for _, why in reports[-1].not_recomputable if "function call" in why]
     assert not kept, kept
+
+
+def test_a_call_tf_gradients_differentiated_first_is_copied_as_its_inference_call():
+    """tf.gradients rewrites a call it differentiates to output what its backward function
+    reads; memsave's copy calls the inference function again, with its own outputs only,
+    and is differentiated through the backward function tf.gradients built (cached: the
+    Python gradient inside runs once in all), giving the same numbers."""
+    calls_made = []
+
+    @tf.custom_gradient
+    def clipped_square(t):
+        def grad(dy):
+            calls_made.append(dy)
+            return tf.clip_by_value(dy * 2.0 * t, -0.5, 0.5)
+        return t * t, grad
+
+    @tf.function(autograph=False)
+    def layer(h, w):
+        return clipped_square(tf.tanh(tf.matmul(h, w)))
+
+    weights = [tf.Variable(w) for w in W_VALUES[:6]]
+
+    @tf.function(autograph=False)
+    def step(x):
+        y = tf.reduce_sum(_chained(layer, weights)(x) * 3.0)
+        expected = tf.gradients(y, weights)
+        got = memsave.gradients(y, weights, checkpoints="memory")
+        return expected, got
+
+    expected, got = step(tf.constant(X))
+    assert_same_gradients([g.numpy() for g in expected], [g.numpy() for g in got], rtol=1e-12)
+    copies = _copied_calls(step.get_concrete_function(tf.constant(X)).graph)
+    assert copies
+    assert len(calls_made) == 1  # (2 where a copy kept the rewritten call's extra outputs)
