@@ -21,7 +21,7 @@ from memsave import offload as offload_lib
 from memsave import report as report_lib
 from memsave.environment import Environment
 from memsave.errors import MemsaveError, MemsaveWarning
-from memsave.graph import _tf_private
+from memsave.graph import _tf_private, calls
 from memsave.graph.select import TensorSet
 from memsave.planner.graph import StepGraph
 from memsave.planner.memory import Prediction
@@ -197,7 +197,23 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
     except backward.NoBackwardOrder as why:
         return Plan(fallback=f"memsave: {why}, so plain tf.gradients answered the call",
                     warn=explicit, **decided)
+    called = _call_read_by_a_kept_part(parts)
+    if called is not None:
+        return Plan(fallback=(
+            f"memsave: {called.name}, made by a function call, is read by an op that is not "
+            f"recomputed; differentiating that op alone, tf.gradients would also build a "
+            f"SymbolicGradient of the call, which cannot run, so plain tf.gradients answered "
+            f"the call"), warn=explicit, **decided)
     return Plan(parts=tuple(parts), **decided)
+
+
+def _call_read_by_a_kept_part(parts):
+    """A tensor made by a function call that a kept part reads, or None. tf.gradients
+    asked for the gradient of such a tensor (an x of its call) still builds the call's
+    gradient, as a SymbolicGradient op, which fails for a jit-compiled or stateful
+    function; segments read their inputs through identities and are not affected."""
+    return next((t for part in parts if part.kind == backward.KEPT for t in part.reads
+                 if calls.is_call(t.op)), None)
 
 
 def _offloaded(kept, problem):
