@@ -62,10 +62,12 @@ logger = logging.getLogger("memsave.benchmarks")
 BASELINE = "tf.gradients"
 MEMSAVE_STRATEGIES = ("speed", "memory", "collection")
 # Mirrors of models.py, so the parser needs no TensorFlow (a test checks they agree):
-# every model, those whose forward pass marks checkpoints, those built from Keras layers.
+# every model, those whose forward pass marks checkpoints, those built from Keras layers,
+# the mixed-precision policies.
 MODELS = ("cnn", "mlp", "transformer", "keras", "vit", "gpt", "lstm")
 MARKING_MODELS = ("cnn", "mlp", "transformer")
 KERAS_MODELS = ("keras", "vit", "gpt", "lstm")
+MIXED_PRECISION = ("float16", "bfloat16")
 DEFAULT_SWEEP_DEPTHS = {"cnn": (6, 12, 24, 48, 81), "mlp": (8, 16, 32, 64, 128),
                         "transformer": (2, 4, 8, 16, 32), "keras": (0,), "vit": (2, 4, 8, 16),
                         "gpt": (2, 4, 6, 12), "lstm": (1, 2, 4)}
@@ -968,7 +970,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--app", default=None,
                         help="keras.applications model for --model keras (default ResNet50)")
-    parser.add_argument("--mixed-precision", choices=("float16", "bfloat16"), default=None,
+    parser.add_argument("--mixed-precision", choices=MIXED_PRECISION, default=None,
                         help="build a Keras model under Keras' mixed_float16 / mixed_bfloat16 "
                              "dtype policy")
     parser.add_argument("--image-size", type=int, default=None,

@@ -178,7 +178,7 @@ def main(argv=None):
     parser.add_argument("--depth", type=int)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--app", help="keras.applications model for --model keras")
-    parser.add_argument("--mixed-precision", choices=("float16", "bfloat16"), default=None,
+    parser.add_argument("--mixed-precision", choices=compare.MIXED_PRECISION, default=None,
                         help="build a Keras model under Keras' mixed precision policy")
     parser.add_argument("--image-size", type=int)
     parser.add_argument("--top", type=int, default=15, help="largest buffers to list")

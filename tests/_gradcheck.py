@@ -46,6 +46,18 @@ def stateful_copies(ops):
     return [op.name for op in ops if is_copy(op) and stateful(op)]
 
 
+def clipped_square(record, bound):
+    """t * t with a gradient that is not linear in its incoming gradient (clipped to
+    +-bound), calling `record(dy)` each time its gradient function runs."""
+    @tf.custom_gradient
+    def square(t):
+        def grad(dy):
+            record(dy)
+            return tf.clip_by_value(dy * 2.0 * t, -bound, bound)
+        return t * t, grad
+    return square
+
+
 def variable_store():
     """`get(key, make)`: one variable, `make()`, per key for the caller's graph.
 

@@ -95,6 +95,7 @@ def test_a_keras_model_under_mixed_bfloat16_restores_the_policy():
 def test_compare_mirrors_the_model_lists():
     assert compare.MODELS == models.MODELS
     assert compare.KERAS_MODELS == models.KERAS_MODELS
+    assert compare.MIXED_PRECISION == models.MIXED_PRECISION
     assert set(compare.DEFAULT_SWEEP_DEPTHS) == set(models.MODELS)
     assert set(compare.MARKING_MODELS) <= set(models.MODELS)
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 import memsave
 from memsave.graph import calls
 
-from _gradcheck import assert_same_gradients, is_copy, stateful_copies
+from _gradcheck import assert_same_gradients, clipped_square, is_copy, stateful_copies
 
 RNG = np.random.RandomState(1)
 W_VALUES = [RNG.standard_normal([16, 16]) / 4 for _ in range(8)]
@@ -76,13 +76,7 @@ def test_a_call_copy_differentiates_through_the_same_backward_function_once():
     """tf.gradients builds a called function's backward function once (a Python
     gradient inside it runs once, however many calls); memsave's copies reuse it."""
     calls_made = []
-
-    @tf.custom_gradient
-    def clipped_square(t):
-        def grad(dy):
-            calls_made.append(dy)
-            return tf.clip_by_value(dy * 2.0 * t, -0.5, 0.5)
-        return t * t, grad
+    clip = clipped_square(calls_made.append, 0.5)
 
     weights = [tf.Variable(w) for w in W_VALUES[:6]]
 
@@ -93,7 +87,7 @@ def test_a_call_copy_differentiates_through_the_same_backward_function_once():
 
         @tf.function(autograph=False)
         def layer(h, w):  # (a new function per step: its backward is built per step)
-            return clipped_square(tf.tanh(tf.matmul(h, w)))
+            return clip(tf.tanh(tf.matmul(h, w)))
 
         @tf.function(autograph=False)
         def step(x):
@@ -253,17 +247,11 @@ def test_a_call_tf_gradients_differentiated_first_is_copied_as_its_inference_cal
     and is differentiated through the backward function tf.gradients built (cached: the
     Python gradient inside runs once in all), giving the same numbers."""
     calls_made = []
-
-    @tf.custom_gradient
-    def clipped_square(t):
-        def grad(dy):
-            calls_made.append(dy)
-            return tf.clip_by_value(dy * 2.0 * t, -0.5, 0.5)
-        return t * t, grad
+    clip = clipped_square(calls_made.append, 0.5)
 
     @tf.function(autograph=False)
     def layer(h, w):
-        return clipped_square(tf.tanh(tf.matmul(h, w)))
+        return clip(tf.tanh(tf.matmul(h, w)))
 
     weights = [tf.Variable(w) for w in W_VALUES[:6]]
 

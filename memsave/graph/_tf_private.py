@@ -102,10 +102,6 @@ def create_op_like(op, inputs, name):
         attrs=attrs, op_def=op.op_def, compute_device=False)
     if op.device:
         new_op._set_device(op.device)
-    for original, copied in zip(outputs, new_op.outputs):
-        # A function call's outputs get their shapes from the function, not from shape
-        # inference over its NodeDef: carry them over (compatible by construction).
-        copied.set_shape(copied.shape.merge_with(original.shape))
     if op._gradient_function is not None:
         # A tf.function call's gradient lives on the Python op (it rewrites that call
         # to also output what its backward function reads): the copy takes it too.

@@ -46,12 +46,13 @@ def why_call_not_repeatable(op):
     if unsafe:
         return f"its function runs stateful ops ({', '.join(unsafe[:3])})"
     read_only = set(_read_only_resource_inputs(op))
+    initializers = _initializer_ops(op.graph)
     for index, t in enumerate(op.inputs):
         if t.dtype.name != "resource":
             continue
         if index not in read_only:
             return f"it may write the resource {t.name}"
-        writer = _resource_writer(t)
+        writer = _resource_writer(t, initializers)
         if writer is not None:
             return f"{writer.name} ({writer.type}) writes the variable it reads"
     return None
@@ -112,14 +113,12 @@ def _read_only_resource_inputs(op):
 _HANDLE_ALIAS_TYPES = frozenset(["Identity"])
 
 
-def _resource_writer(handle, initializers=None):
+def _resource_writer(handle, initializers):
     """An op of the graph that may write the resource `handle` stands for, or None.
 
-    A variable's initializer (a tf.compat.v1 graph's, run once before any step) does not
-    count; an identity of the handle (memsave's own segment inputs are such) is followed.
+    A variable's initializer (one of `initializers`, a tf.compat.v1 graph's, run once
+    before any step) does not count; an identity of the handle (memsave's own segment inputs are such) is followed.
     """
-    if initializers is None:
-        initializers = _initializer_ops(handle.graph)
     for consumer in handle.consumers():
         if consumer.type in _RESOURCE_READ_TYPES or consumer in initializers:
             continue

@@ -90,6 +90,8 @@ def copy_with_input_replacements(ops, replacements=(), name_scope="copy",
         inputs = [_resolve_input(t, replace, result) for t in op.inputs]
         new_op = _tf_private.create_op_like(op, inputs, name=f"{name_scope}/{op.name}")
         for old_t, new_t in zip(op.outputs, new_op.outputs):
+            # (A function call's outputs get their shapes from the function, not from
+            # shape inference over its NodeDef.)
             new_t.set_shape(old_t.shape)
         if copy_control_inputs and op.control_inputs:
             controls = [result.transformed(c) or c for c in op.control_inputs]
