@@ -354,7 +354,8 @@ def check(spec):
         for label, checkpoints in strategies_of(spec, lists):
             before_ops, before_calls = len(graph.get_operations()), calls.count
             try:
-                with warnings.catch_warnings(), memsave.always_rewrite():
+                with warnings.catch_warnings(), memsave.always_rewrite(), \
+                        memsave.recompute_loops("always"):
                     warnings.simplefilter("ignore", memsave.MemsaveWarning)
                     got = memsave.gradients(ys, xs, checkpoints=checkpoints, **kwargs)
             except memsave.MemsaveError as error:

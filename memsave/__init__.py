@@ -12,7 +12,8 @@ _check_tensorflow_version()
 from memsave.errors import MemsaveError  # noqa: E402
 from memsave.errors import MemsaveWarning  # noqa: E402
 from memsave.rewrite import (  # noqa: E402
-    always_rewrite, gradients, gradients_collection, gradients_memory, gradients_speed, plan)
+    always_rewrite, gradients, gradients_collection, gradients_memory, gradients_speed, plan,
+    recompute_loops)
 from memsave.strategies import (  # noqa: E402
     CHECKPOINT_COLLECTION, STRATEGIES, budget, mark_checkpoint)
 from memsave.report import RewriteReport, last_report  # noqa: E402
@@ -29,7 +30,7 @@ __all__ = [
     "mark_checkpoint", "CHECKPOINT_COLLECTION", "STRATEGIES", "MemsaveError",
     "RewriteReport", "last_report", "plan", "MemsaveWarning",
     "patch", "gradient_function", "MemsaveOptimizer", "budget", "always_rewrite", "Offload",
-    "calibrate", "GradientTape",
+    "calibrate", "GradientTape", "recompute_loops",
 ]
 
 

@@ -39,6 +39,7 @@ from memsave import offload as offload_lib
 from memsave import report as report_lib
 from memsave.errors import DEBUG_HINT, MemsaveError
 from memsave.graph import _tf_private
+from memsave.graph import loops as graph_loops
 from memsave.graph.select import TensorMap, TensorSet, get_ops_on_cycles
 from memsave.graph.transform import copy_with_input_replacements
 from memsave.region import estimated_bytes
@@ -214,15 +215,33 @@ class _Builder:
         quiet_xs = [t for op in part.ops for t in op.outputs
                     if self.region.is_x(t) and t not in self.totals]
         with tf.name_scope("kept"):
+            copy = None if quiet_xs else self._recomputing_copy(part, ends_at)
+            if copy is not None:
+                ends_at = [copy.outputs[t.value_index] for t in ends_at]
             results = tf_gradients(ends_at, part.reads + quiet_xs, grad_ys=grads,
                                     stop_gradients=part.reads + list(self.options.stop),
                                     **self.options.passed)
+            if copy is not None:
+                # (After tf.gradients, which adds the inputs its gradient reads to the
+                # loop: a NodeDef lists control inputs last.)
+                ordering.wait_for({copy}, [g.op for g in grads])
         for t, g in zip(part.reads, results):
             if g is not None:
                 self._add(t, g)
         for t, g in zip(quiet_xs, results[len(part.reads):]):
             if g is not None:
                 self.totals[t] = g
+
+    def _recomputing_copy(self, part, ends_at):
+        """For a loop the plan recomputes, its recomputing copy (memsave.graph.loops), whose
+        gradient the part takes in place of the loop's; None otherwise. The copy reads the
+        loop's inputs and waits for the loop's output gradients, so it runs in the backward
+        pass, and the loop itself, which nothing differentiates, keeps nothing for it."""
+        if len(part.ops) != 1 or part.ops[0] not in self.plan.recomputed_loops:
+            return None
+        loop = part.ops[0]
+        return graph_loops.recomputing_copy(loop, f"{loop.name.split('/')[-1]}_recompute",
+                                            [t.value_index for t in ends_at])
 
     def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label, ops):
         """Copies `ops` (the planned segment's that `seg_ys` needs) and differentiates them.

@@ -38,6 +38,8 @@ class Environment:
         grouped with its input's, so none may be made last.
       always_rewrite: build the rewrite even where no saving is predicted
         (memsave.always_rewrite(), MEMSAVE_ALWAYS_REWRITE=1).
+      recompute_loops: 'auto', 'always' or 'never' (memsave.recompute_loops()): which
+        loops the rewrite differentiates through a recomputing copy.
     """
     under_xla: bool = False
     accelerator: bool = False
@@ -46,15 +48,17 @@ class Environment:
     allocator: Optional[str] = None
     gate_gradients: bool = False
     always_rewrite: bool = False
+    recompute_loops: str = "auto"
 
     @classmethod
-    def read(cls, graph, gate_gradients=False, always_rewrite=False):
+    def read(cls, graph, gate_gradients=False, always_rewrite=False, recompute_loops="auto"):
         """The environment of a call building in `graph`.
 
         Args:
           graph: the graph the gradients are built in (None: no XLA).
           gate_gradients: the call's tf.gradients argument.
           always_rewrite: whether memsave.always_rewrite() is in force.
+          recompute_loops: the memsave.recompute_loops() mode in force.
         """
         accelerator = bool(tf.config.list_physical_devices("GPU"))
         kernels = None if accelerator else (ONEDNN if _tf_private.onednn_enabled() else EIGEN)
@@ -62,7 +66,7 @@ class Environment:
         return cls(under_xla=under_xla, accelerator=accelerator,
                    kernels=kernels, conv_threads=_eigen_conv_threads(kernels),
                    allocator=_allocator(accelerator), gate_gradients=bool(gate_gradients),
-                   always_rewrite=bool(always_rewrite))
+                   always_rewrite=bool(always_rewrite), recompute_loops=recompute_loops)
 
     @property
     def may_read_checkpoints(self):

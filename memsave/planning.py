@@ -24,6 +24,7 @@ from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private, calls
 from memsave.graph.select import TensorSet
 from memsave.planner.graph import StepGraph
+from memsave.planner.loops import why_not_recomputed as why_loop_kept
 from memsave.planner.memory import Prediction
 from memsave.planner.segments import LAST, ForwardReads, Segmentation
 from memsave.region import NOT_RECOMPUTABLE, ForwardRegion
@@ -72,6 +73,8 @@ class Plan:
         order the backward pass runs them.
       prediction: the memory model's prediction of this plan (None with no checkpoints).
       baseline: its prediction of plain tf.gradients.
+      recomputed_loops: the while_v2 loops (kept ops) whose gradient the rewrite takes
+        through a recomputing copy (memsave.graph.loops), for all the others TensorFlow's.
       fallback: why plain tf.gradients answers instead, or None.
       warn: whether that fallback deserves a warning (the caller listed checkpoints).
     """
@@ -93,6 +96,7 @@ class Plan:
     deferred: FrozenSet[int] = frozenset()
     parts: Tuple[backward.Part, ...] = ()
     prediction: Optional[Prediction] = None
+    recomputed_loops: FrozenSet[tf.Operation] = frozenset()
     fallback: Optional[str] = None
     warn: bool = False
 
@@ -112,7 +116,11 @@ class Plan:
             resident_bytes=baseline.resident_bytes, unknown_dims=len(graph.unknown_dims),
             unknown_dim_size=graph.unknown_dim_size, fallback=self.fallback,
             reads_checkpoints=self.reads_checkpoints, recomputes_ahead=self.recomputes_ahead,
-            orders_backward=self.orders_backward)
+            orders_backward=self.orders_backward,
+            loops=[(graph.ops[op].name, report_lib.loop_line(
+                memory, graph.ops[op] in self.recomputed_loops,
+                self.fallback is not None or why_loop_kept(memory, graph.loop_mode)))
+                   for op, memory in sorted(graph.loops.items())])
         for info in report.checkpoints:
             info.offloaded = info.name in self.offloaded
         if prediction is None:
@@ -183,7 +191,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         large_bytes=graph.largest_bytes // _LARGE_FRACTION,
         serializes_conv_gradients=environment.conv_threads > 0,
         forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints),
-        deferred=frozenset(graph.deferred_tensors))
+        deferred=frozenset(graph.deferred_tensors),
+        recomputed_loops=frozenset(graph.ops[op] for op in graph.recomputed_loops()))
     baseline = common["baseline"].device_peak_bytes
     if (prediction.device_peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline
             and not environment.always_rewrite):

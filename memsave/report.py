@@ -82,7 +82,10 @@ class RewriteReport:
     large gradient ops wait, each for the one tf.gradients made before it, so that an
     executor running ops side by side holds what the memory model holds (the 'memory'
     strategy; not under XLA, nor where TensorFlow's own CPU convolution gradients are
-    already serialized).
+    already serialized). `loops` says, for each while_v2 loop on the path, what its
+    gradient keeps: recomputed (a copy runs in the backward pass and keeps only each
+    iteration's carry and inputs, memsave.graph.loops) or kept as TensorFlow builds it,
+    and why.
     """
     strategy: str
     region_ops: int
@@ -111,6 +114,7 @@ class RewriteReport:
     orders_backward: bool = False
     predicted_segments: int = 0
     predicted_recomputed_ops: int = 0
+    loops: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def kept_bytes(self):
@@ -142,7 +146,7 @@ class RewriteReport:
                 f"{', '.join(f'{c.name} {_mb(c.bytes)}' for c in largest)}) over a region of "
                 f"{self.region_ops} ops; {self._recomputation()}, about "
                 f"{self.recompute_fraction:.0%} of a forward pass; {len(self.not_recomputable)} "
-                f"ops kept as not recomputable{self._deferred()}{self._offload()}"
+                f"ops kept as not recomputable{self._loops()}{self._deferred()}{self._offload()}"
                 f"{self._peaks()}")
 
     def _recomputation(self):
@@ -153,6 +157,12 @@ class RewriteReport:
                     f"{self.predicted_recomputed_ops} ops{ahead}")
         return (f"{len(self.segments)} segments recompute {self.recomputed_ops} ops "
                 f"({_mb(self.recomputed_bytes)}){ahead}")
+
+    def _loops(self):
+        recomputed = sum(why.startswith(RECOMPUTED_LOOP) for _, why in self.loops)
+        if not recomputed:
+            return ""
+        return f"; {recomputed} loops recomputed in the backward pass"
 
     def _deferred(self):
         if not self.deferred_gradients:
@@ -193,6 +203,9 @@ class RewriteReport:
         if self.not_recomputable:
             lines += ["not recomputable (outputs kept, never re-run):"]
             lines += [f"  {name}: {why}" for name, why in self.not_recomputable]
+        if self.loops:
+            lines += ["loops (what their gradients keep):"]
+            lines += [f"  {name}: {why}" for name, why in self.loops]
         if self.segments:
             lines += ["recomputed segments (in backward order; each "
                       + ("reads" if self.reads_checkpoints else "recomputes")
@@ -207,6 +220,23 @@ class RewriteReport:
         logger.info("%s", self.summary())
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s", self.format())
+
+
+RECOMPUTED_LOOP = "recomputed"
+
+
+def loop_line(memory, recomputed, why):
+    """The report's words for a loop's memsave.planner.loops.LoopMemory; `recomputed`:
+    whether the rewrite differentiates its recomputing copy; `why` it does not (True: plain
+    tf.gradients answers the call)."""
+    count = f"{memory.iterations} iterations" if memory.known else "iterations unknown (1 assumed)"
+    if not recomputed:
+        why = "plain tf.gradients answers the call" if why is True else why
+        return (f"kept as TensorFlow differentiates it ({count}, {_mb(memory.kept_by_tensorflow)}"
+                f" for its gradient): {why}")
+    return (f"{RECOMPUTED_LOOP} in the backward pass ({count}): its copy holds "
+            f"{_mb(memory.kept_by_copy)} where TensorFlow's gradient keeps "
+            f"{_mb(memory.kept_by_tensorflow)} from the forward pass")
 
 
 def _mb(n):

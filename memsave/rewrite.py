@@ -69,6 +69,35 @@ def always_rewrite(enabled=True):
         _switches.always_rewrite = previous
 
 
+LOOP_MODES = ("auto", "always", "never")
+
+
+def _loop_mode():
+    return getattr(_switches, "recompute_loops", None) or "auto"
+
+
+@contextlib.contextmanager
+def recompute_loops(mode="always"):
+    """Within this context, memsave differentiates `tf.while_loop`s (while_v2 loops whose
+    body may run again) through a copy that recomputes each iteration in the backward
+    pass ('always'), as TensorFlow does ('never'), or where the memory model predicts the
+    copy holds less than TensorFlow's gradient keeps ('auto', the default outside any
+    such context). Restores the previous setting on exit.
+
+    Raises:
+      MemsaveError: for a mode that is not one of 'auto', 'always', 'never'.
+    """
+    if mode not in LOOP_MODES:
+        raise MemsaveError(f"unknown recompute_loops mode {mode!r}; expected one of "
+                           + ", ".join(repr(m) for m in LOOP_MODES))
+    previous = getattr(_switches, "recompute_loops", None)
+    _switches.recompute_loops = mode
+    try:
+        yield
+    finally:
+        _switches.recompute_loops = previous
+
+
 _collector_lock = threading.Lock()
 _collector_pauses = [0, False]  # [calls in progress, whether the collector was on at the first]
 
@@ -153,7 +182,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
             return _plain_gradients(_plain_report(strategy_name, _UNCONNECTED, region), explicit,
                                     ys, xs, grad_ys, options)
         environment = Environment.read(call.graph, options.passed.get("gate_gradients"),
-                                       _always_rewrite())
+                                       _always_rewrite(), _loop_mode())
         problem = _problem(region, environment, strategy, offload)
         the_plan = make_plan(problem, strategy, strategy_name, call.xs, explicit)
         report = the_plan.report()
@@ -246,7 +275,8 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None, offload=False)
     region = ForwardRegion.build(call.ys, call.xs, call.stop)
     if not any(region.is_connected(x) for x in call.xs):
         return _plain_report(strategy_name, _UNCONNECTED, region)
-    environment = Environment.read(call.graph, always_rewrite=_always_rewrite())
+    environment = Environment.read(call.graph, always_rewrite=_always_rewrite(),
+                                   recompute_loops=_loop_mode())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemsaveWarning)
         problem = _problem(region, environment, strategy, offload, unknown_dim_size)

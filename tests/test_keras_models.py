@@ -1,7 +1,9 @@
 """Models built from Keras' own layers and applications, in float64, give tf.gradients'
 gradients under memsave: attention (`MultiHeadAttention`, a causal mask), a sparse
-`Embedding` gradient, and ConvNeXt, whose grouped convolutions Keras runs as nested
-jit-compiled functions that memsave recomputes (tests/test_calls.py has the small cases).
+`Embedding` gradient, ConvNeXt, whose grouped convolutions Keras runs as nested
+jit-compiled functions that memsave recomputes (tests/test_calls.py has the small cases),
+and stacked LSTMs, whose loops memsave differentiates through recomputing copies
+(tests/test_loops.py).
 """
 
 import sys
@@ -26,6 +28,7 @@ CASES = {
     "gpt": dict(depth=2, batch=2, seq_len=16, d_model=16, heads=2, vocab=50),
     "vit": dict(depth=2, batch=2, image_size=16, patch=4, d_model=16, heads=2),
     "convnext": dict(batch=2, app="ConvNeXtTiny", image_size=32),
+    "lstm": dict(depth=2, batch=3, seq_len=5, units=6, features=4, classes=3),
 }
 # Gradients that are zero in exact arithmetic (attention's key bias: softmax ignores a
 # constant added to every key) come out as float64 rounding noise, around 1e-17.
@@ -77,4 +80,6 @@ def check_in_float64(name):
         assert any(is_copy(op) and calls.is_call(op) for op in graph.get_operations())
     if name == "gpt":
         assert any(isinstance(g, tf.IndexedSlices) for g in got)
+    if name == "lstm":  # (each LSTM's loop differentiated through a recomputing copy)
+        assert [why.split(" ")[0] for _, why in reports[-1].loops] == ["recomputed"] * 2
     assert all(v.dtype == tf.float64 for v in model.variables)

@@ -81,17 +81,18 @@ def control_outputs(op):
     return list(op._control_outputs)
 
 
-def create_op_like(op, inputs, name):
-    """Creates a new op in `op.graph` with the type, attributes and device of `op`.
+def create_op_like(op, inputs, name, graph=None):
+    """Creates a new op with the type, attributes and device of `op`.
 
     Args:
       op: the op to imitate.
       inputs: the data inputs of the new op.
       name: the wanted name; made unique by the graph.
+      graph: where to create it (default `op.graph`).
     Returns:
       The new `tf.Operation`.
     """
-    graph = op.graph
+    graph = op.graph if graph is None else graph
     attrs = {key: op.node_def.attr[key] for key in op.node_def.attr}
     outputs = op.outputs
     inference = _inference_call(op)
@@ -225,6 +226,20 @@ def overridden_gradient_type(op):
     return attrs["_gradient_op_type"].s.decode() if "_gradient_op_type" in attrs else None
 
 
+def gradient_reads_a_closure(op):
+    """Whether `op`'s gradient was registered for it alone by a Python closure (a
+    `tf.custom_gradient`): that function reads the tensors the closure holds, not the
+    op's inputs, so it only works for `op` itself."""
+    gradient_type = overridden_gradient_type(op)
+    if gradient_type is None:
+        return False
+    try:
+        function = tf_ops.gradient_registry.lookup(gradient_type)
+    except LookupError:
+        return False
+    return bool(getattr(function, "__closure__", None))
+
+
 def gradient_function(op):
     """The Python function tf.gradients calls for `op`'s gradient (None: none)."""
     return tf_ops.get_gradient_function(op)
@@ -237,3 +252,75 @@ def scratch_graph(outer, name):
     from tensorflow.python.framework import func_graph
     with outer.as_default():
         return func_graph.FuncGraph(name)
+
+
+# -- while_v2 loops (memsave.graph.loops) -----------------------------------------------
+
+def loop_output_shapes(loop):
+    """The static shapes of a while_v2 loop op's loop variables (its `output_shapes`)."""
+    from tensorflow.python.framework import tensor_shape
+    return [tensor_shape.TensorShape(s) for s in loop.get_attr("output_shapes")]
+
+
+def loop_function_graph(loop, attr, shapes):
+    """A new function graph read back from the library function a while_v2 loop op names
+    in `attr` ('cond' or 'body'), its inputs shaped `shapes`: ops added to it change
+    neither the loop nor its function."""
+    from tensorflow.python.ops import control_flow_util_v2
+    return control_flow_util_v2.get_func_graph(loop, shapes, loop.get_attr(attr).name)
+
+
+def loop_body_to_read(loop, shapes):
+    """A graph of a while_v2 loop's body to read, never to change: the one Python built
+    (static shapes TensorFlow could not write into the function: a Split's outputs) where
+    the op has it, else one read back from the library."""
+    body = getattr(loop, "_body_graph", None)
+    return body if body is not None else loop_function_graph(loop, "body", shapes)
+
+
+def unique_function_name(prefix):
+    """A function name no function of this process has (as TensorFlow names its own)."""
+    from tensorflow.python.ops import control_flow_util_v2
+    return control_flow_util_v2.unique_fn_name("", prefix)
+
+
+def rename_function_graph(func_graph, prefix):
+    """Gives `func_graph` a unique name, under which it will be added to the library."""
+    func_graph.name = unique_function_name(prefix)
+
+
+def new_loop_body_graph(outer, name):
+    """An empty graph for a loop body, inside `outer`, of the class while_v2 gives its
+    own bodies: TensorFlow's gradient then makes the zero gradients of a body tensor from
+    its static shape instead of keeping the tensor for its shape."""
+    from tensorflow.python.ops import control_flow_v2_func_graphs
+    with outer.as_default():
+        return control_flow_v2_func_graphs.WhileBodyFuncGraph(name)
+
+
+def placeholder_like(t):
+    """A placeholder of `t`'s dtype and shape (a variable handle's data included) in the
+    default graph, named after `t`'s op."""
+    from tensorflow.python.ops import array_ops, handle_data_util
+    placeholder = array_ops.placeholder(t.dtype, t.shape, name=t.op.name)
+    if t.dtype.name == "resource":
+        handle_data_util.copy_handle_data(t, placeholder)
+    return placeholder
+
+
+def build_loop(like, cond_graph, body_graph, name, parallel_iterations=None):
+    """A while_v2 loop op with `like`'s inputs, attributes and output shapes, running
+    `cond_graph` and `body_graph` (added to the library as they are named), built as
+    tf.while_loop builds its own, so TensorFlow's gradient takes it as one.
+    `parallel_iterations`: how many iterations may run at once (default `like`'s); the
+    loop's gradient takes it too."""
+    from tensorflow.python.ops import while_v2
+    if parallel_iterations is None:
+        parallel_iterations = like.get_attr("parallel_iterations")
+    with like.graph.as_default():
+        outputs = while_v2._build_while_op(
+            list(like.inputs), cond_graph, body_graph,
+            output_shapes=loop_output_shapes(like),
+            parallel_iterations=parallel_iterations,
+            name=name, num_original_outputs=len(like.outputs))
+    return outputs[0].op

@@ -91,6 +91,11 @@ def stateful_types(graph, function_names, seen=None):
     return found
 
 
+def names_functions(node_def):
+    """Whether a NodeDef runs library functions (a call, a loop, a conditional)."""
+    return bool(_called_function_names(node_def))
+
+
 def _called_function_names(node_def):
     """Names of the functions a NodeDef's attributes name (a call's `f`, a loop's `body`)."""
     names = []
@@ -127,7 +132,7 @@ def _resource_writer(handle, initializers):
             if writer is None:
                 continue
             return writer
-        if is_call(consumer):
+        if names_functions(consumer.node_def):  # (a call, a loop, a conditional)
             indices = [i for i, t in enumerate(consumer.inputs) if t is handle]
             if set(indices) <= set(_read_only_resource_inputs(consumer)):
                 continue

@@ -1,4 +1,4 @@
-"""Copying a set of ops inside their own graph, with input replacements."""
+"""Copying a set of ops, inside their own graph or into another one, with input replacements."""
 
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorMap, make_list_of_op, topological_sort
@@ -122,3 +122,46 @@ def _check_copy_inputs(ops, replace):
         if not replacement.shape.is_compatible_with(original.shape):
             raise ValueError(f"memsave.graph: cannot replace {original.name} {original.shape} "
                              f"by {replacement.name} {replacement.shape}: shapes are incompatible")
+
+
+def copy_into_graph(ops, graph, mapping, name_scope=None, copy_control_inputs=False,
+                    result=None):
+    """Copies `ops`, in the order given (producers first), into `graph`: a loop body
+    being rebuilt, or the gradient graph of one.
+
+    Every input of a copy is the copy of its producer, or what `mapping` maps it to;
+    `mapping` gains each copied tensor. Copies keep the original's type, attributes
+    and static shape.
+
+    Args:
+      ops: the ops to copy, producers first.
+      graph: the graph to create the copies in.
+      mapping: a TensorMap from tensors the ops read to tensors of `graph`; updated.
+      name_scope: a prefix for the copies' names; None keeps the originals' names
+        (made unique by `graph`).
+      copy_control_inputs: keep the originals' control inputs that were copied (by this
+        call or into `result`); otherwise the copies have none.
+      result: a `CopyResult` of earlier copies into `graph` to add these to.
+    Returns:
+      The `CopyResult`.
+    Raises:
+      ValueError: if an op reads a tensor that is neither copied before it nor mapped.
+        Ops copied before the error stay in `graph` (a graph under construction).
+    """
+    result = CopyResult() if result is None else result
+    for op in ops:
+        missing = [t.name for t in op.inputs if t not in mapping]
+        if missing:
+            raise ValueError(f"memsave.graph: cannot copy {op.name} into {graph.name}: "
+                             f"it reads {missing[0]}, which is neither copied nor mapped")
+        name = op.name if name_scope is None else f"{name_scope}/{op.name}"
+        new_op = _tf_private.create_op_like(op, [mapping[t] for t in op.inputs], name,
+                                            graph=graph)
+        for old_t, new_t in zip(op.outputs, new_op.outputs):
+            new_t.set_shape(old_t.shape)
+            mapping[old_t] = new_t
+        if copy_control_inputs:
+            controls = [result.transformed(c) for c in op.control_inputs]
+            _tf_private.add_control_inputs(new_op, [c for c in controls if c is not None])
+        result._record(op, new_op)
+    return result

@@ -14,7 +14,9 @@ import tensorflow as tf
 
 from memsave.environment import Environment
 from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
+from memsave.graph import loops as graph_loops
 from memsave.planner import costs, custom_gradients, opinfo
+from memsave.planner.loops import loop_memory, recomputed
 from memsave.region import estimated_bytes
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,10 @@ class StepGraph:
         TensorList), and ys that
         region ops read (a y upstream of another: its gradient is its grad_y plus what
         comes back from the later one).
+      loops: op id -> memsave.planner.loops.LoopMemory, for each while_v2 loop on the path
+        (never recomputed as an op: TensorFlow's gradient keeps what its body's gradient
+        reads from every iteration, the rewrite may differentiate a recomputing copy).
+      loop_mode: the memsave.recompute_loops mode the step was built under.
       small: ids of the region tensors of known size no larger than that: cheaper to
         keep from the forward pass than to recompute, a segment's gradients read them
         as the forward pass made them (segments.ForwardReads), e.g. a batch norm's
@@ -104,6 +110,8 @@ class StepGraph:
         self.small_bytes = 0
         self.small = frozenset()
         self.boundaries = []
+        self.loops = {}
+        self.loop_mode = "auto"
         self.costs = costs.active()
 
     @classmethod
@@ -124,11 +132,14 @@ class StepGraph:
             environment = Environment.read(region.ys[0].graph)
         step = cls()
         step.unknown_dim_size = unknown_dim_size
+        step.loop_mode = environment.recompute_loops
         step.conv_threads = environment.conv_threads
         ops = _forward_ops_in_order(region.ys)
         kept = {op for op, _ in region.kept_ops}
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
+            if op in kept and graph_loops.is_loop(op):
+                step.loops[step.op_id[op]] = loop_memory(op, unknown_dim_size)
         # (Under XLA, whose kernels make workspaces of their own, none is modelled.)
         step._size_workspaces(None if environment.under_xla else environment.kernels)
         step._link(region)
@@ -372,6 +383,12 @@ class StepGraph:
 
     def id_of(self, t):
         return self.tensor_id[(t.op, t.value_index)]
+
+    def recomputed_loops(self):
+        """The op ids of the loops the rewrite differentiates through a recomputing copy
+        (memsave.planner.loops.recomputed, under memsave.recompute_loops' mode)."""
+        return [op for op, memory in sorted(self.loops.items())
+                if recomputed(memory, self.loop_mode)]
 
     def region_op_ids(self):
         return [i for i, k in enumerate(self.kind) if k == REGION]

@@ -244,7 +244,10 @@ class MemoryModel:
         self._resident = graph.resident_bytes()
         # The forward pass is the same for every plan: simulated once, copied per plan.
         self._forward_template = _Timeline()
+        self._loop_buffers = {}  # loop op id -> what TensorFlow's gradient keeps of it
         self._forward_buffers = self._forward(self._forward_template)
+        self._rewriting = False
+        self._recomputed_loops = frozenset(graph.recomputed_loops())
 
     # -- public -------------------------------------------------------------------
     def baseline(self, allocator=False):
@@ -326,6 +329,8 @@ class MemoryModel:
 
     def _owner_name(self, owner, kind):
         graph = self.graph
+        if owner < 0 and kind == "loop":
+            return f"what the gradient of loop {graph.ops[-owner - 1].name} keeps per iteration"
         if owner < 0:
             return f"temporaries of the gradient of {graph.ops[-owner - 1].name}"
         name = graph.tensors[owner].name
@@ -336,6 +341,12 @@ class MemoryModel:
                   replay=False, ahead=False):
         graph, timeline = self.graph, self._forward_template.copy()
         self._last = (key, timeline, segmentation)
+        self._rewriting = segmentation is not None
+        if self._rewriting:
+            # The rewrite differentiates these loops' recomputing copies: the loops
+            # themselves keep nothing for the backward pass.
+            for op in self._recomputed_loops:
+                timeline.bytes[self._loop_buffers[op]] = 0
         forward = self._forward_buffers
         gradients = _Gradients(graph, timeline, self._expected)
         start = timeline.step(("seed", None, None))
@@ -398,6 +409,10 @@ class MemoryModel:
                     buffers[tid] = timeline.buffer(
                         step, graph.size[tid], "resident" if kind == RESIDENT else "forward",
                         tid, _FOREVER if kind == RESIDENT else None)
+            loop = graph.loops.get(op)
+            if loop is not None:
+                self._loop_buffers[op] = timeline.buffer(
+                    step, loop.kept_by_tensorflow, "loop", -(op + 1))
         return buffers
 
     def _gradient_step(self, op, buffers, gradients, timeline, label, deferred=None):
@@ -411,6 +426,13 @@ class MemoryModel:
         for buffer in reads:
             timeline.use(buffer, step)
         temporaries = graph.grad_temporaries[op]
+        if op in self._loop_buffers:
+            timeline.use(self._loop_buffers[op], step)
+            loop = graph.loops[op]
+            if self._rewriting and op in self._recomputed_loops:
+                temporaries += loop.kept_by_copy + loop.copy_run_ahead
+            else:
+                temporaries += loop.gradient_run_ahead
         later = ()
         if deferred is not None:  # a segment of the rewrite
             temporaries = graph.rewrite_grad_temporaries.get(op, temporaries)

@@ -1,0 +1,271 @@
+"""Loops: a copy of a `tf.while_loop` whose gradient keeps only what each iteration reads.
+
+TensorFlow differentiates a while_v2 loop (a `While` op whose body is a library
+function) by rewriting the forward loop to push, every iteration, each body tensor the
+body's gradient reads onto a list (an accumulator), and popping them in the gradient
+loop. For a Keras LSTM that is every step's gates, their activations, c, tanh(c), the
+input slice and the state: most of a recurrent network's training memory.
+
+`recomputing_copy` builds a second loop op with the same inputs, whose body is the
+original body with its *core* wrapped in a gradient that recomputes the core from the
+tensors it reads. The core is every op of the body that may run again with the same
+result: no stateful op (a variable read of a handle the loop passes on unchanged is
+allowed, and nothing in the step may write that variable: see `calls`), no op making or
+reading a TensorList or a resource, no constant (the gradient copies those itself),
+no function call. The gradient of the copy then pushes only the core's inputs: the
+carry of the loop and the slices it reads, one buffer each per iteration, and the
+backward loop runs the core once more per iteration before differentiating it.
+Gradient functions inside the core are called once, with their whole gradient, as
+tf.gradients calls them; nothing the core does not hold runs twice.
+
+memsave differentiates the copy in place of the loop (the loop itself, which nothing
+differentiates, then keeps nothing for the backward pass), and makes it wait for the
+gradients of the loop's outputs, so it runs in the backward pass: one extra forward
+pass of the loop, plus one of the core per iteration inside the gradient loop.
+"""
+
+import tensorflow as tf
+
+from memsave.graph import _tf_private, calls
+from memsave.graph.select import (
+    TensorMap, TensorSet, get_backward_walk_ops, topological_sort)
+from memsave.graph.transform import CopyResult, copy_into_graph
+
+# The gradient function of the graph being rewritten, taken before memsave.patch can
+# replace it.
+_tf_gradients = tf.compat.v1.gradients
+
+LOOP_OP_TYPES = frozenset(["While", "StatelessWhile"])
+
+# The copy, and so its gradient loop, runs at most this many iterations at once. The
+# executor otherwise runs a gradient loop's independent work up to parallel_iterations
+# (Keras: 32) iterations ahead, each holding its weight-sized gradient product: 35 MiB of
+# the 45 the LSTM benchmark's memsave step held (AMD EPYC, 2 cores), 37 MiB with 2.
+PARALLEL_ITERATIONS = 2
+
+
+def is_loop(op):
+    """Whether `op` is a while_v2 loop (its body a function of the library)."""
+    return op.type in LOOP_OP_TYPES and "body" in op.node_def.attr
+
+
+def why_loop_not_recomputed(op):
+    """Why memsave keeps loop `op`'s gradient as TensorFlow builds it, or None.
+
+    Returns:
+      None, or a short reason: the loop runs a stateful op, may write a variable it
+      reads, or a variable it reads is written elsewhere in the step; its body could
+      not be read back from the library; its body has a `tf.custom_gradient`, whose
+      gradient function holds the original body's tensors.
+    """
+    why = calls.why_call_not_repeatable(op)
+    if why is not None:
+        return why.replace("its function", "its body")
+    body = _tf_private.loop_body_to_read(op, _tf_private.loop_output_shapes(op))
+    for inner in body.get_operations():
+        if _tf_private.gradient_reads_a_closure(inner):
+            return (f"its body has a custom gradient ({inner.name}), whose function reads "
+                    "the loop's own tensors, not a copy's")
+    return None
+
+
+class Core:
+    """The ops of a loop body recomputed in the gradient loop.
+
+    Attributes:
+      ops: the ops, topologically sorted.
+      inputs: tensors they read from outside them (the only ones the forward loop
+        keeps for them), in the order first read.
+      outputs: their tensors read outside them or returned by the body.
+    """
+
+    def __init__(self, ops, inputs, outputs):
+        self.ops, self.inputs, self.outputs = ops, inputs, outputs
+
+
+def body_core(body, within_ops=None):
+    """The Core of loop body graph `body` (of its ops `within_ops`, default all), or
+    None where it has no op worth recomputing.
+
+    The core is closed: no path leaves it and comes back (an op outside it that reads it,
+    such as the TensorListGetItem that reads a constant element shape, would otherwise
+    read the core's gradient-wrapped outputs and feed its inputs, a cycle). Where one
+    does, the core ops downstream of that op leave the core.
+    """
+    invariant_handles = _passed_on_unchanged(body)
+    ops = body.get_operations()
+    if within_ops is not None:
+        within = set(within_ops)
+        ops = [op for op in ops if op in within]
+    core = {op for op in ops if _recomputable_in_body(op, invariant_handles)}
+    while True:
+        downstream = set()  # ops outside the core that read the core, directly or not
+        for op in ops:
+            if op not in core and any(t.op in core or t.op in downstream for t in op.inputs):
+                downstream.add(op)
+        leaving = {op for op in core if any(t.op in downstream for t in op.inputs)}
+        if not leaving:
+            break
+        core -= leaving
+    ordered = [op for op in topological_sort(ops) if op in core]
+    if not any(_is_computation(op) for op in ordered):
+        return None
+    returned = TensorSet(body.outputs)
+    inputs, seen, outputs = [], TensorSet(), []
+    for op in ordered:
+        for t in op.inputs:
+            if t.op not in core and t not in seen:
+                seen.add(t)
+                inputs.append(t)
+        for t in op.outputs:
+            # (Readers outside `within_ops` count: the caller drops them, so the output is
+            # only passed on, never read through the wrong door.)
+            if t in returned or any(c not in core for c in t.consumers()):
+                outputs.append(t)
+    return Core(ordered, inputs, outputs)
+
+
+def _passed_on_unchanged(body):
+    """The body's resource inputs that it returns as they came (a variable the loop
+    reads): the gradient loop reads those handles again instead of keeping values."""
+    result = TensorSet()
+    for t_in, t_out in zip(body.inputs, body.outputs):
+        while t_out.op.type == "Identity":
+            t_out = t_out.op.inputs[0]
+        if t_in.dtype == tf.resource and t_out is t_in:
+            result.add(t_in)
+    return result
+
+
+def _recomputable_in_body(op, invariant_handles):
+    if not op.inputs or op.type == "Placeholder":
+        return False
+    if any(t.dtype in (tf.variant, tf.resource) for t in op.outputs):
+        return False
+    if op.type == "ReadVariableOp":
+        return op.inputs[0] in invariant_handles
+    if op.op_def is None or op.op_def.is_stateful:
+        return False
+    if any(t.dtype in (tf.variant, tf.resource) for t in op.inputs):
+        return False
+    return not calls.names_functions(op.node_def)
+
+
+def _is_computation(op):
+    return op.type not in ("Identity", "ReadVariableOp")
+
+
+def recomputing_copy(loop, name, needed_outputs):
+    """A new loop op with `loop`'s inputs and cond, whose gradient recomputes each
+    iteration's core (`body_core`) instead of keeping it.
+
+    The copy computes the outputs `needed_outputs` and what they depend on (and what
+    the loop's condition reads); every other loop variable it passes on unchanged: the
+    accumulators tf.gradients added to a loop it differentiated before, for one, which
+    would otherwise keep what the copy exists not to keep.
+
+    Args:
+      loop: a while_v2 loop op (`is_loop`) for which `why_loop_not_recomputed` is None.
+      name: the new op's name (made unique by the graph).
+      needed_outputs: indices of the outputs the caller differentiates.
+    Returns:
+      The new op (its outputs are `loop`'s, index for index, for those needed), or None
+      where the body has no core (nothing to save).
+    """
+    shapes = _tf_private.loop_output_shapes(loop)
+    source = _tf_private.loop_body_to_read(loop, shapes)
+    cond = _tf_private.loop_function_graph(loop, "cond", shapes)
+    needed = _needed_variables(cond, source, needed_outputs)
+    needed_ops = get_backward_walk_ops([source.outputs[i].op for i in sorted(needed)],
+                                       inclusive=True, control_inputs=True)
+    core = body_core(source, within_ops=needed_ops)
+    if core is None:
+        return None
+    _tf_private.rename_function_graph(cond, f"{name}_cond")
+    body = _rebuilt_body(loop.graph, source, core, needed, needed_ops,
+                         _tf_private.unique_function_name(f"{name}_body"))
+    return _tf_private.build_loop(loop, cond, body, name,
+                                  parallel_iterations=min(PARALLEL_ITERATIONS,
+                                                          loop.get_attr("parallel_iterations")))
+
+
+def _needed_variables(cond, body, needed_outputs):
+    """The loop variables the outputs `needed_outputs` depend on: those, the ones the
+    condition reads, and the ones the body reads to compute those, until none is added;
+    and the first two, the iteration counter and the maximum (TensorFlow's gradient runs
+    as many iterations as the counter says)."""
+    needed = ({0, 1} | set(needed_outputs)
+              | {i for i, t in enumerate(cond.inputs) if t.consumers()})
+    while True:
+        ops = set(get_backward_walk_ops([body.outputs[i].op for i in needed], inclusive=True,
+                                        control_inputs=True))
+        reads = {i for i, t in enumerate(body.inputs) if t.op in ops}
+        if reads <= needed:
+            return needed
+        needed |= reads
+
+
+def _rebuilt_body(graph, source, core, needed, needed_ops, name):
+    """A loop body graph computing what `source` computes for the loop variables
+    `needed` (the ops `needed_ops`), its core's outputs passed through an IdentityN
+    whose gradient recomputes the core (`_with_recompute_gradient`); it passes every
+    other variable on unchanged."""
+    body = _tf_private.new_loop_body_graph(graph, name)
+    members = set(core.ops)
+    ordered = [op for op in topological_sort(source.get_operations()) if op in needed_ops]
+    reads_core = set()
+    for op in ordered:
+        if op not in members and any(t.op in members or t.op in reads_core for t in op.inputs):
+            reads_core.add(op)
+    rest = [op for op in ordered if op not in members and op.type != "Placeholder"]
+    with body.as_default():
+        mapping = TensorMap((t, _tf_private.placeholder_like(t)) for t in source.inputs)
+        copied = CopyResult()
+
+        def copy(ops):
+            copy_into_graph(ops, body, mapping, copy_control_inputs=True, result=copied)
+
+        copy([op for op in rest if op not in reads_core])
+        copy(core.ops)
+        new_core = Core([copied.transformed(op) for op in core.ops],
+                        [mapping[t] for t in core.inputs], [mapping[t] for t in core.outputs])
+        for t, passed in zip(core.outputs, _with_recompute_gradient(new_core)):
+            mapping[t] = passed  # (what reads the core outside it reads it passed)
+        copy([op for op in rest if op in reads_core])
+        body.inputs = [mapping[t] for t in source.inputs]
+        body.outputs = [mapping[t] if i in needed else body.inputs[i]
+                        for i, t in enumerate(source.outputs)]
+    return body
+
+
+def _with_recompute_gradient(core):
+    """The core's outputs, passed through an IdentityN (with the core's inputs, so the
+    gradient reaches them) whose gradient recomputes the core and differentiates the
+    copies; the core's own ops get no gradient, so the loop keeps none of their outputs.
+    """
+    count = len(core.outputs)
+
+    def recompute_gradient(op, *output_gradients):
+        del op
+        # Read in the gradient loop, each input is captured from the forward loop: pushed
+        # there every iteration and popped here (a loop invariant is read as it is).
+        local_inputs = [tf.identity(t) for t in core.inputs]
+        copy = copy_into_graph(core.ops, tf.compat.v1.get_default_graph(),
+                               TensorMap(zip(core.inputs, local_inputs)),
+                               name_scope="recompute")
+        ys, grad_ys = [], []
+        for t, dy in zip(core.outputs, output_gradients[:count]):
+            if dy is not None and (t.dtype.is_floating or t.dtype.is_complex):
+                ys.append(copy.transformed(t))
+                grad_ys.append(dy)
+        if not ys:
+            return [None] * (count + len(core.inputs))
+        input_gradients = _tf_gradients(ys, local_inputs, grad_ys=grad_ys)
+        return [None] * count + list(input_gradients)
+
+    gradient_name = _tf_private.unique_function_name("memsave_recompute_gradient")
+    tf.RegisterGradient(gradient_name)(recompute_gradient)
+    with tf.compat.v1.get_default_graph().gradient_override_map({"IdentityN": gradient_name}):
+        passed = tf.raw_ops.IdentityN(input=list(core.outputs) + list(core.inputs),
+                                      name="recomputed_in_gradient")
+    return passed[:count]

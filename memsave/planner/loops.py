@@ -1,0 +1,200 @@
+"""What a while_v2 loop keeps for its gradient: the memory model's view of a loop.
+
+TensorFlow differentiates a loop by keeping, from every iteration, each body tensor the
+body's gradient reads (memsave.graph.loops): a 100-step LSTM keeps 100 copies of its
+gates. The model counts them with the op knowledge it has for the step itself
+(`opinfo`): what each body op's gradient reads, per iteration, times the number of
+iterations, held from the loop's forward run to its gradient. memsave's recomputing copy
+of the loop keeps instead the core's inputs per iteration, from the copy's run in the
+backward pass to the end of its gradient, plus the copy's outputs and one iteration's
+recomputed core.
+"""
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+
+from memsave.graph import _tf_private
+from memsave.graph import loops as graph_loops
+from memsave.graph.select import TensorSet, get_backward_walk_ops, get_forward_walk_ops
+from memsave.planner import opinfo
+from memsave.region import estimated_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopMemory:  # (see `recomputed` for the decision)
+    """A loop's memory for its gradient.
+
+    Attributes:
+      iterations: how many times the body runs (known, or assumed 1: `known`).
+      known: whether `iterations` was read from the graph.
+      kept_by_tensorflow: bytes TensorFlow's gradient keeps from the forward loop.
+      kept_by_copy: bytes memsave's recomputing copy holds while its gradient runs, or
+        None where the loop is not recomputed (`why_kept`).
+      why_kept: why memsave differentiates the loop as TensorFlow does, or None.
+      gradient_run_ahead: bytes the gradient loop may hold besides: the executor runs
+        it up to parallel_iterations iterations ahead of where it sums the gradients of
+        what the body reads from outside the loop (a weight's: one weight-sized product
+        per iteration), less what it has freed of the loop's keep by then (it pops one
+        iteration's per iteration). copy_run_ahead: the same for the copy's gradient (at
+        most memsave.graph.loops.PARALLEL_ITERATIONS iterations at once).
+    """
+    iterations: int
+    known: bool
+    kept_by_tensorflow: int
+    kept_by_copy: Optional[int]
+    why_kept: Optional[str]
+    gradient_run_ahead: int = 0
+    copy_run_ahead: int = 0
+
+
+def loop_memory(loop, unknown_dim_size=1):
+    """The LoopMemory of while_v2 loop op `loop` (`memsave.graph.loops.is_loop`)."""
+    iterations = _iterations(loop)
+    body = _tf_private.loop_body_to_read(loop, _tf_private.loop_output_shapes(loop))
+    invariant = _loop_invariants(body)
+    per_iteration = sum(estimated_bytes(t, unknown_dim_size)
+                        for t in _kept_by_tensorflow(body, invariant))
+    count = iterations or 1
+    why = graph_loops.why_loop_not_recomputed(loop)
+    core = graph_loops.body_core(body) if why is None else None
+    if why is None and core is None:
+        why = "its body has nothing to recompute"
+    kept_by_copy, carried = None, 0
+    if core is not None:
+        carried = sum(estimated_bytes(t, unknown_dim_size) for t in core.inputs
+                      if t not in invariant and _is_data(t) and not _is_constant(t))
+        outputs = sum(_output_bytes(loop, i, unknown_dim_size) for i in range(len(loop.outputs)))
+        kept_by_copy = count * carried + outputs + per_iteration
+    products = sum(estimated_bytes(t, unknown_dim_size) for t in _read_from_outside(body, invariant))
+    parallel = min(loop.get_attr("parallel_iterations"), count)
+    copy_parallel = min(parallel, graph_loops.PARALLEL_ITERATIONS)
+    return LoopMemory(iterations=count, known=iterations is not None,
+                      kept_by_tensorflow=count * per_iteration, kept_by_copy=kept_by_copy,
+                      why_kept=why,
+                      gradient_run_ahead=max(0, parallel * (products - per_iteration)),
+                      copy_run_ahead=max(0, copy_parallel * (products - carried)))
+
+
+def _iterations(loop):
+    """The loop's iteration count where the graph says: its maximum_iterations input (a
+    while_v2 loop's second), else the length of a TensorList it is given to read."""
+    value = tf.get_static_value(loop.inputs[1]) if len(loop.inputs) > 1 else None
+    if value is not None and value.ndim == 0 and int(value) > 0:
+        return int(value)
+    for t in loop.inputs:
+        if t.op.type == "TensorListFromTensor":
+            first = t.op.inputs[0].shape
+            if first.rank and first[0] is not None:
+                return int(first[0])
+    return None
+
+
+def _output_bytes(loop, index, unknown_dim_size):
+    """Bytes of a loop output; a TensorList's as its elements' where the list the loop is
+    given says (a TensorListReserve of a known length: what an RNN writes its outputs to)."""
+    t = loop.outputs[index]
+    if t.dtype != tf.variant:
+        return estimated_bytes(t, unknown_dim_size)
+    made_by = loop.inputs[index].op
+    if made_by.type != "TensorListReserve":
+        return 0
+    count = tf.get_static_value(made_by.inputs[1])
+    shape = tf.get_static_value(made_by.inputs[0])
+    if count is None or shape is None or shape.ndim != 1 or (shape < 0).any():
+        return 0
+    dtype = tf.as_dtype(made_by.get_attr("element_dtype"))
+    return int(count) * int(shape.prod()) * dtype.size
+
+
+def _read_from_outside(body, invariant):
+    """The floating values the body reads from outside the loop (a variable's value, a
+    loop invariant): each iteration of the gradient loop makes a gradient of each."""
+    result = []
+    for op in body.get_operations():
+        if op.type == "ReadVariableOp" and op.inputs[0] in invariant:
+            result.extend(t for t in op.outputs if t.dtype.is_floating)
+    result.extend(t for t in body.inputs if t in invariant and t.dtype.is_floating
+                  and any(c.type != "Identity" for c in t.consumers()))
+    return result
+
+
+def _loop_invariants(body):
+    """The body inputs it returns unchanged: TensorFlow reads those once, not per
+    iteration."""
+    result = TensorSet()
+    for t_in, t_out in zip(body.inputs, body.outputs):
+        while t_out.op.type == "Identity":
+            t_out = t_out.op.inputs[0]
+        if t_out is t_in:
+            result.add(t_in)
+    return result
+
+
+def _kept_by_tensorflow(body, invariant):
+    """The body tensors TensorFlow's gradient keeps from each iteration: those the
+    gradients of the ops between the body's differentiable inputs and outputs read,
+    but constants, loop invariants and variable reads (which share the variable's
+    buffer)."""
+    sources = [t for t in body.inputs if _differentiable(t)]
+    source_set = TensorSet(sources)
+    ends = [t.op for t in body.outputs if _differentiable(t)]
+    backward = get_backward_walk_ops(ends, inclusive=True)
+    path = set(get_forward_walk_ops(sources, inclusive=True, within_ops=backward))
+    kept, seen = [], TensorSet()
+    for op in body.get_operations():
+        if op not in path or op.type == "Placeholder" or not opinfo.passes_gradient(op):
+            continue
+        differentiated = [i for i, t in enumerate(op.inputs)
+                          if t.op in path or t in source_set]
+        if _tf_private.overridden_gradient_type(op) is not None:
+            reads_in, reads_out = opinfo.gradient_reads(None, len(op.inputs), len(op.outputs))
+        else:
+            reads_in, reads_out = opinfo.differentiated_reads(
+                op.type, len(op.inputs), len(op.outputs), differentiated)
+        for t in [op.inputs[i] for i in reads_in] + [op.outputs[j] for j in reads_out]:
+            while t.op.type == "Identity":
+                t = t.op.inputs[0]
+            if (t in seen or t in invariant or _is_constant(t)
+                    or t.op.type == "ReadVariableOp" or not _is_data(t)):
+                continue
+            seen.add(t)
+            kept.append(t)
+    return kept
+
+
+def _is_constant(t):
+    """A body tensor of an op without inputs but a placeholder: TensorFlow's gradient
+    makes such a constant again rather than keep it."""
+    return not t.op.inputs and t.op.type != "Placeholder"
+
+
+def _differentiable(t):
+    return t.dtype.is_floating or t.dtype.is_complex or t.dtype in (tf.resource, tf.variant)
+
+
+def _is_data(t):
+    return t.dtype not in (tf.resource, tf.variant, tf.string)
+
+
+def recomputed(memory, mode):
+    """Whether the rewrite differentiates a loop of LoopMemory `memory` through its
+    recomputing copy under memsave.recompute_loops mode `mode` ('auto': where the copy
+    holds less than TensorFlow's gradient keeps of the loop)."""
+    if memory.kept_by_copy is None or mode == "never":
+        return False
+    return mode == "always" or (memory.kept_by_copy + memory.copy_run_ahead
+                                < memory.kept_by_tensorflow + memory.gradient_run_ahead)
+
+
+def why_not_recomputed(memory, mode):
+    """The report's reason a loop is differentiated as TensorFlow does (None: it is not)."""
+    if memory.why_kept is not None:
+        return memory.why_kept
+    if mode == "never":
+        return "memsave.recompute_loops('never')"
+    if not recomputed(memory, mode):
+        return ("its copy would hold more than TensorFlow's gradient keeps of it "
+                "(memsave.recompute_loops('always') recomputes it anyway)")
+    return None

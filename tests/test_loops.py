@@ -1,0 +1,251 @@
+"""Loops (issue 28): a while_v2 loop's gradient through a copy that recomputes its body.
+
+TensorFlow's gradient of a `tf.while_loop` keeps, from every iteration, what the body's
+gradient reads (an LSTM step's gates and activations). memsave differentiates instead a
+copy of the loop, run in the backward pass, whose gradient recomputes each iteration's
+stateless ops from the iteration's inputs (memsave.graph.loops). Every case compares
+memsave with tf.gradients in float64 in one graph, in both graph kinds, and checks what
+the copy keeps per iteration.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave.graph import _tf_private, loops
+from memsave.planner.loops import loop_memory
+
+from _gradcheck import assert_same_gradients, clipped_square, evaluate
+
+STEPS, BATCH, WIDTH = 6, 4, 5
+RNG = np.random.RandomState(3)
+X_SEQ = RNG.uniform(-1, 1, [STEPS, BATCH, WIDTH])
+W0 = RNG.standard_normal([WIDTH, WIDTH]) / 2
+U0 = RNG.standard_normal([WIDTH, WIDTH]) / 2
+
+
+def _rnn(x_seq, w, u, cell=None):
+    """A tanh RNN over the first axis of x_seq, written as users write loops; `cell`
+    (h, x) -> h replaces its step."""
+    steps = x_seq.shape[0]
+    cell = cell or (lambda h, x: tf.tanh(tf.matmul(x, w) + tf.matmul(h, u)) * 1.5)
+
+    def body(i, h, total):
+        h = cell(h, x_seq[i])
+        return i + 1, h, total + tf.reduce_sum(h * h)
+
+    h0 = tf.zeros([BATCH, WIDTH], tf.float64)
+    _, h, total = tf.while_loop(lambda i, h, total: i < steps, body,
+                                [tf.constant(0), h0, tf.constant(0.0, tf.float64)],
+                                maximum_iterations=steps)
+    return tf.reduce_sum(tf.sin(h)) + total
+
+
+def _run(kind, make_loss, checkpoints="memory", before=None, loop_mode="always"):
+    """(tf.gradients' values, memsave's, memsave's report, the graph) for the loss
+    `make_loss(x_seq, w, u)` with respect to w and u (variables) in one graph of `kind`,
+    under memsave.recompute_loops(loop_mode) (these loops are too small for 'auto' to
+    recompute). `before(loss, xs)`: called first (e.g. an earlier tf.gradients of the
+    same loop)."""
+    reports, graphs = [], []
+    variables = {}
+    if kind == "function":  # (made inside, they would make tf.function trace twice)
+        variables.update(w=tf.Variable(W0, name="w"), u=tf.Variable(U0, name="u"))
+
+    def body(graph, inputs):
+        if not variables:
+            variables["w"] = tf.Variable(W0, name="w")
+            variables["u"] = tf.Variable(U0, name="u")
+        w, u = variables["w"], variables["u"]
+        loss = make_loss(inputs["x"], w, u)
+        xs = [_tf_private.graph_tensor_of_variable(v, graph) for v in (w, u)]
+        if before is not None:
+            before(loss, xs)
+        expected = tf.gradients(loss, xs)
+        with memsave.always_rewrite(), memsave.recompute_loops(loop_mode):
+            got = memsave.gradients(loss, xs, checkpoints=checkpoints)
+        reports.append(memsave.last_report())
+        graphs.append(graph)
+        return {"tf": [tf.convert_to_tensor(g) for g in expected],
+                "memsave": [tf.convert_to_tensor(g) for g in got]}
+
+    values = evaluate(kind, body, {"x": X_SEQ})
+    return values["tf"], values["memsave"], reports[-1], graphs[-1]
+
+
+def _copies(graph):
+    """The recomputing copies memsave built in `graph` (loops whose body has the
+    IdentityN that recomputes the core in the gradient)."""
+    found = []
+    for op in graph.get_operations():
+        body = getattr(op, "_body_graph", None) if loops.is_loop(op) else None
+        if body is not None and any(
+                (_tf_private.overridden_gradient_type(o) or "").startswith(
+                    "memsave_recompute_gradient") for o in body.get_operations()):
+            found.append(op)
+    return found
+
+
+def _pushed(loop):
+    """The op types of what a differentiated loop pushes onto its accumulators."""
+    return sorted(op.inputs[1].op.type for op in loop._body_graph.get_operations()
+                  if op.type == "TensorListPushBack")
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_loop_is_differentiated_through_a_recomputing_copy(kind):
+    expected, got, report, graph = _run(kind, _rnn)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    copies = _copies(graph)
+    assert len(copies) == 1
+    # The copy keeps each iteration's carry and input slice, not its activations: the
+    # loop's own gradient pushes the tanh outputs too.
+    pushed = _pushed(copies[0])
+    assert "Tanh" not in pushed and "Mul" not in pushed, pushed
+    assert set(pushed) <= {"Placeholder", "StridedSlice", "Shape"}, pushed
+    assert [why.split(" ")[0] for _, why in report.loops] == ["recomputed"]
+    assert "1 loops recomputed in the backward pass" in report.summary()
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_loop_with_a_custom_gradient_is_kept_and_its_gradient_called_once(kind):
+    """A tf.custom_gradient's function reads the tensors its closure holds, the loop's
+    own: a copy of the loop could not use it."""
+    calls = []
+    clip = clipped_square(calls.append, 0.5)
+
+    def loss(x_seq, w, u):
+        return _rnn(x_seq, w, u, cell=lambda h, x: tf.tanh(clip(tf.matmul(x, w)) + h @ u))
+
+    expected, got, report, graph = _run(kind, loss)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert not _copies(graph)
+    (_, why), = report.loops
+    assert "custom gradient" in why, why
+    # tf.gradients builds the loop's gradient once, and so does memsave.
+    assert len(calls) == 2, calls
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_loop_drawing_random_numbers_is_kept_as_tensorflow_builds_it(kind):
+    def loss(x_seq, w, u):
+        return _rnn(x_seq, w, u, cell=lambda h, x: tf.nn.dropout(
+            tf.tanh(x @ w + h @ u), rate=0.25, seed=7))
+
+    expected, got, report, graph = _run(kind, loss)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert not _copies(graph)
+    (name, why), = report.loops
+    assert why.startswith("kept as TensorFlow differentiates it") and "Random" in why, why
+
+
+def test_a_loop_tf_gradients_differentiated_first_is_exact():
+    """tf.gradients rewrote the loop to push its activations; the copy reads the rewritten
+    body and stays exact."""
+    expected, got, _, graph = _run("v1", _rnn, before=lambda loss, xs: tf.gradients(loss, xs))
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert len(_copies(graph)) == 1
+
+
+@pytest.mark.parametrize("checkpoints", ["speed", "collection", memsave.budget(0.9)])
+def test_every_strategy_is_exact_with_a_loop(checkpoints):
+    expected, got, _, _ = _run("function", _rnn, checkpoints=checkpoints)
+    assert_same_gradients(expected, got, rtol=1e-12)
+
+
+def test_under_xla():
+    w, u = tf.Variable(W0), tf.Variable(U0)
+
+    @tf.function(jit_compile=True, autograph=False)
+    def step(x_seq):
+        loss = _rnn(x_seq, w, u)
+        with memsave.always_rewrite(), memsave.recompute_loops():
+            return tf.gradients(loss, [w, u]), memsave.gradients(loss, [w, u])
+
+    expected, got = step(tf.constant(X_SEQ))
+    assert_same_gradients([g.numpy() for g in expected], [g.numpy() for g in got], rtol=1e-12)
+
+
+def test_the_model_counts_what_each_iteration_keeps():
+    """tf.gradients keeps, per iteration, the matmuls' inputs x_t and h (for the weights'
+    gradients), tanh's output, and what the Mul and the sum read; the copy keeps the
+    carry and the slice only."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x_seq = tf.constant(X_SEQ)
+        w = tf.Variable(W0)
+        u = tf.Variable(U0)
+        _rnn(x_seq, w, u)
+        loop, = [op for op in graph.get_operations() if loops.is_loop(op)]
+        memory = loop_memory(loop)
+    block = BATCH * WIDTH * 8
+    assert memory.iterations == STEPS and memory.known
+    # x_t, h (matmul inputs), tanh's output, the product h*1.5 (read by h*h) per step.
+    assert memory.kept_by_tensorflow == STEPS * 4 * block, memory
+    # The copy: per step the carry (two int32 counters, h, the float64 total), not the
+    # input slice (a slice of a loop invariant, recomputed); its outputs (the counters,
+    # the maximum, h, the total, the sequence it slices); one iteration's recomputation.
+    carry = 2 * 4 + block + 8
+    outputs = 3 * 4 + block + 8 + STEPS * block
+    assert memory.kept_by_copy == STEPS * carry + outputs + 4 * block, memory
+    assert memory.why_kept is None
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_loop_without_a_maximum_reading_tensors_from_outside(kind):
+    """No maximum_iterations: the condition reads only the user's counter, yet the copy
+    must count its iterations (TensorFlow's gradient runs as many); and a tensor the body
+    reads from outside (a loop invariant) gets its gradient summed over iterations."""
+    def body(graph, inputs):
+        a, b = inputs["a"], inputs["b"]
+        _, c = tf.while_loop(lambda i, c: i < 3,
+                             lambda i, c: (i + 1, tf.tanh(0.9 * c + 0.1 * b)), [0, a])
+        loss = tf.reduce_sum(tf.sigmoid(c) * tf.sin(a))
+        expected = tf.gradients(loss, [a, b])
+        with memsave.always_rewrite(), memsave.recompute_loops():
+            got = memsave.gradients(loss, [a, b], checkpoints="memory")
+        assert len(_copies(graph)) == 1
+        return {"tf": expected, "memsave": got}
+
+    values = evaluate(kind, body, {"a": X_SEQ[0], "b": X_SEQ[1]})
+    assert_same_gradients(values["tf"], values["memsave"], rtol=1e-12)
+
+
+def test_auto_recomputes_a_loop_only_where_its_copy_holds_less():
+    """A loop of one step: its copy would hold its outputs and one iteration's
+    recomputation besides the carry, more than TensorFlow keeps; kept as TensorFlow
+    differentiates it under 'auto' and 'never'."""
+    def one_step(x_seq, w, u):
+        _, h = tf.while_loop(lambda i, h: i < 1, lambda i, h: (i + 1, tf.tanh(h @ w)),
+                             [0, x_seq[0]])
+        return tf.reduce_sum(h * u[0, 0])
+
+    for mode in ("auto", "never"):
+        expected, got, report, graph = _run("v1", one_step, loop_mode=mode)
+        assert_same_gradients(expected, got, rtol=1e-12)
+        assert not _copies(graph)
+        (_, why), = report.loops
+        assert why.startswith("kept as TensorFlow differentiates it"), why
+        assert ("copy would hold more" if mode == "auto" else "'never'") in why, why
+
+
+def test_auto_recomputes_a_long_loop():
+    """The same cell over 200 steps of a wider batch: TensorFlow keeps 4 tensors a step,
+    the copy 1 (h) and a few scalars."""
+    steps = 200
+    graph = tf.Graph()
+    with graph.as_default():
+        x_seq = tf.constant(np.tile(X_SEQ[:1], [steps, 1, 1]))
+        w, u = tf.Variable(W0), tf.Variable(U0)
+        loss = _rnn(x_seq, w, u)
+        report = memsave.plan(loss, [w.handle, u.handle], checkpoints="memory")
+    (_, why), = report.loops
+    assert why.startswith("recomputed in the backward pass (200 iterations)"), why
+
+
+def test_an_unknown_loop_mode_is_refused():
+    with pytest.raises(memsave.MemsaveError, match="unknown recompute_loops mode 'sometimes'; "
+                       "expected one of 'auto', 'always', 'never'"):
+        with memsave.recompute_loops("sometimes"):
+            pass
