@@ -91,6 +91,8 @@ class ForwardRegion:
         # Ops of xs that lie downstream of other xs: tf.gradients still sends
         # their gradient on to the xs upstream of them.
         self.dependent_x_ops = frozenset()
+        # Ops making one of the call's stop_gradients.
+        self.stopped_ops = frozenset()
 
     @classmethod
     def build(cls, ys, xs, stop_gradients=()):
@@ -130,6 +132,7 @@ class ForwardRegion:
                      len(ops), len(kept))
         result = cls(ops, list(xs), list(ys), kept)
         result.dependent_x_ops = frozenset(dependent_x_ops)
+        result.stopped_ops = frozenset(stopped_ops)
         return result
 
     def __contains__(self, op):

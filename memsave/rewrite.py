@@ -61,12 +61,19 @@ def always_rewrite(enabled=True):
     any such context, the environment variable MEMSAVE_ALWAYS_REWRITE=1 does the same
     (for child processes).
     """
-    previous = getattr(_switches, "always_rewrite", None)
-    _switches.always_rewrite = enabled
+    with _switched("always_rewrite", enabled):
+        yield
+
+
+@contextlib.contextmanager
+def _switched(name, value):
+    """Sets this thread's switch `name` to `value` for the context; restores it on exit."""
+    previous = getattr(_switches, name, None)
+    setattr(_switches, name, value)
     try:
         yield
     finally:
-        _switches.always_rewrite = previous
+        setattr(_switches, name, previous)
 
 
 LOOP_MODES = ("auto", "always", "never")
@@ -82,7 +89,9 @@ def recompute_loops(mode="always"):
     body may run again) through a copy that recomputes each iteration in the backward
     pass ('always'), as TensorFlow does ('never'), or where the memory model predicts the
     copy holds less than TensorFlow's gradient keeps ('auto', the default outside any
-    such context). Restores the previous setting on exit.
+    such context). It decides nothing where plain tf.gradients answers the call (no
+    saving predicted, no checkpoints) or the step is compiled by XLA. Restores the
+    previous setting on exit.
 
     Raises:
       MemsaveError: for a mode that is not one of 'auto', 'always', 'never'.
@@ -90,12 +99,8 @@ def recompute_loops(mode="always"):
     if mode not in LOOP_MODES:
         raise MemsaveError(f"unknown recompute_loops mode {mode!r}; expected one of "
                            + ", ".join(repr(m) for m in LOOP_MODES))
-    previous = getattr(_switches, "recompute_loops", None)
-    _switches.recompute_loops = mode
-    try:
+    with _switched("recompute_loops", mode):
         yield
-    finally:
-        _switches.recompute_loops = previous
 
 
 _collector_lock = threading.Lock()

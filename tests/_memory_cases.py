@@ -224,3 +224,25 @@ def one_tensor(nbytes):
     del held
     simulated, _ = allocator.replayed_peak(allocator.of_device(), [0], [0], [nbytes], [False], 1)
     return {"measured": measured, "simulated": simulated, "allocator": allocator.of_device().name}
+
+
+def lstm_stack(mode, layers=2, batch=32, steps=60, units=128, features=16):
+    """Stacked Keras LSTMs (their loops: while_v2 loops that memsave differentiates
+    through recomputing copies) and a dense head, in tf.function."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    sequence = keras.Input((steps, features))
+    h = sequence
+    for layer in range(layers):
+        h = keras.layers.LSTM(units, return_sequences=layer < layers - 1)(h)
+    net = keras.Model(sequence, keras.layers.Dense(4)(h))
+    weights = net.trainable_variables
+
+    @tf.function
+    def step(x):
+        return _gradient_fn(mode, [])(tf.reduce_mean(net(x) ** 2), weights)
+
+    x = tf.constant(np.random.RandomState(0).standard_normal([batch, steps, features])
+                    .astype(np.float32))
+    return _measure(step, x)

@@ -150,21 +150,27 @@ def test_a_loop_tf_gradients_differentiated_first_is_exact():
 
 @pytest.mark.parametrize("checkpoints", ["speed", "collection", memsave.budget(0.9)])
 def test_every_strategy_is_exact_with_a_loop(checkpoints):
-    expected, got, _, _ = _run("function", _rnn, checkpoints=checkpoints)
+    expected, got, report, graph = _run("function", _rnn, checkpoints=checkpoints)
     assert_same_gradients(expected, got, rtol=1e-12)
+    # (With no checkpoint, 'collection' here, plain tf.gradients answers: no copy.)
+    assert len(_copies(graph)) == (report.fallback is None), report.summary()
 
 
-def test_under_xla():
+def test_under_xla_a_loop_is_differentiated_as_it_is():
     w, u = tf.Variable(W0), tf.Variable(U0)
 
     @tf.function(jit_compile=True, autograph=False)
     def step(x_seq):
         loss = _rnn(x_seq, w, u)
         with memsave.always_rewrite(), memsave.recompute_loops():
-            return tf.gradients(loss, [w, u]), memsave.gradients(loss, [w, u])
+            return tf.gradients(loss, [w, u]), memsave.gradients(loss, [w, u],
+                                                                  checkpoints="memory")
 
     expected, got = step(tf.constant(X_SEQ))
     assert_same_gradients([g.numpy() for g in expected], [g.numpy() for g in got], rtol=1e-12)
+    # XLA drops the control inputs that would hold a copy back to the backward pass.
+    (_, why), = memsave.last_report().loops
+    assert "under XLA" in why, why
 
 
 def test_the_model_counts_what_each_iteration_keeps():
@@ -184,10 +190,11 @@ def test_the_model_counts_what_each_iteration_keeps():
     # x_t, h (matmul inputs), tanh's output, the product h*1.5 (read by h*h) per step.
     assert memory.kept_by_tensorflow == STEPS * 4 * block, memory
     # The copy: per step the carry (two int32 counters, h, the float64 total), not the
-    # input slice (a slice of a loop invariant, recomputed); its outputs (the counters,
-    # the maximum, h, the total, the sequence it slices); one iteration's recomputation.
+    # input slice (a slice of a loop invariant, recomputed); its outputs but those it
+    # passes on unchanged (the counters, h, the total; not the maximum or the sequence it
+    # slices); one iteration's recomputation.
     carry = 2 * 4 + block + 8
-    outputs = 3 * 4 + block + 8 + STEPS * block
+    outputs = carry
     assert memory.kept_by_copy == STEPS * carry + outputs + 4 * block, memory
     assert memory.why_kept is None
 
@@ -249,3 +256,90 @@ def test_an_unknown_loop_mode_is_refused():
                        "expected one of 'auto', 'always', 'never'"):
         with memsave.recompute_loops("sometimes"):
             pass
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_loop_whose_output_is_in_stop_gradients_is_differentiated_as_it_is(kind):
+    """tf.gradients sends no gradient back through a stop_gradients tensor (here the
+    identity tf.while_loop returns; fuzz seed 843 stops the loop's own output too)."""
+    def body(graph, inputs):
+        a, b = inputs["a"], inputs["b"]
+        _, c = tf.while_loop(lambda i, c: i < 3, lambda i, c: (i + 1, tf.tanh(c * b)), [0, a])
+        loss = tf.reduce_sum(c) + tf.reduce_sum(tf.sin(b))
+        expected = tf.gradients(loss, [a, b], stop_gradients=[c])
+        with memsave.always_rewrite(), memsave.recompute_loops():
+            got = memsave.gradients(loss, [a, b], checkpoints="memory", stop_gradients=[c])
+        return {"tf": [tf.zeros_like(a) if g is None else g for g in expected],
+                "memsave": [tf.zeros_like(a) if g is None else g for g in got],
+                "none": [tf.constant(g is None) for g in expected + got]}
+
+    values = evaluate(kind, body, {"a": X_SEQ[0], "b": X_SEQ[1]})
+    assert_same_gradients(values["tf"], values["memsave"], rtol=1e-12)
+    assert list(values["none"][:2]) == list(values["none"][2:])
+
+
+def _nested_loop(x_seq, w, u):
+    def body(i, h):
+        _, h = tf.while_loop(lambda j, h: j < 2, lambda j, h: (j + 1, tf.tanh(h @ u)), [0, h])
+        return i + 1, tf.sin(x_seq[i] @ w + h)
+    _, h = tf.while_loop(lambda i, h: i < STEPS, body, [0, tf.zeros([BATCH, WIDTH], tf.float64)],
+                         maximum_iterations=STEPS)
+    return tf.reduce_sum(h * h)
+
+
+def _cond_in_body(x_seq, w, u):
+    def body(i, h):
+        h = tf.cond(tf.equal(i % 2, 0), lambda: tf.tanh(h @ u), lambda: tf.sin(h @ w))
+        return i + 1, h + x_seq[i]
+    _, h = tf.while_loop(lambda i, h: i < STEPS, body, [0, tf.zeros([BATCH, WIDTH], tf.float64)],
+                         maximum_iterations=STEPS)
+    return tf.reduce_sum(h * h)
+
+
+@pytest.mark.parametrize("make_loss", [_nested_loop, _cond_in_body])
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_loop_running_functions_of_its_own_is_differentiated_as_it_is(kind, make_loss):
+    """A copy would run the same library functions (an inner loop's, a cond's branches):
+    TensorFlow's gradients of the loop and of its copy would both rewrite them under the
+    same names. tf.gradients differentiates the loop first here, as a user's earlier
+    call would."""
+    expected, got, report, graph = _run(kind, make_loss)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert not _copies(graph)
+    outer = [why for name, why in report.loops if "nested loop, conditional" in why]
+    assert outer, report.loops
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_gather_in_the_body_keeps_its_gradient_exact(kind):
+    """An embedding-style gather of a table the loop reads: its gradient comes out of the
+    recomputation in the gradient loop."""
+    table = RNG.standard_normal([10, WIDTH])
+
+    def loss(x_seq, w, u):
+        ids = tf.constant([[1, 3, 3, 7], [0, 9, 2, 2], [5, 5, 5, 1], [8, 0, 4, 6], [2, 2, 9, 3],
+                           [7, 1, 0, 4]])
+        rows = tf.constant(table) * w[0, 0]
+        return _rnn(x_seq, w, u, cell=lambda h, x: tf.tanh(x @ w + h @ u) + tf.gather(
+            rows, ids[0]))
+
+    expected, got, _, graph = _run(kind, loss)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert len(_copies(graph)) == 1
+
+
+def test_a_copy_leaves_the_variables_it_reads_read_only():
+    """A second memsave call in the same graph recomputes the loop again: the first call's
+    copy reads the loop's variables, it does not write them (TensorFlow would mark a
+    handle passed through the copy's IdentityN as written)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w, u = tf.Variable(W0), tf.Variable(U0)
+        loss = _rnn(tf.constant(X_SEQ), w, u)
+        with memsave.always_rewrite(), memsave.recompute_loops():
+            memsave.gradients(loss, [w.handle, u.handle], checkpoints="memory")
+            first = memsave.last_report().loops
+            memsave.gradients(loss, [w.handle, u.handle], checkpoints="memory")
+            second = memsave.last_report().loops
+        assert len(_copies(graph)) == 2
+    assert first[0][1].startswith("recomputed") and second[0][1].startswith("recomputed"), second

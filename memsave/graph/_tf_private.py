@@ -298,6 +298,13 @@ def new_loop_body_graph(outer, name):
         return control_flow_v2_func_graphs.WhileBodyFuncGraph(name)
 
 
+def set_function_graph_io(func_graph, inputs, outputs):
+    """Makes `inputs` (placeholders) and `outputs` the arguments and results of the
+    function `func_graph` will be added to the library as."""
+    func_graph.inputs = list(inputs)
+    func_graph.outputs = list(outputs)
+
+
 def placeholder_like(t):
     """A placeholder of `t`'s dtype and shape (a variable handle's data included) in the
     default graph, named after `t`'s op."""
@@ -313,7 +320,10 @@ def build_loop(like, cond_graph, body_graph, name, parallel_iterations=None):
     `cond_graph` and `body_graph` (added to the library as they are named), built as
     tf.while_loop builds its own, so TensorFlow's gradient takes it as one.
     `parallel_iterations`: how many iterations may run at once (default `like`'s); the
-    loop's gradient takes it too."""
+    loop's gradient takes it too. The new loop reads `like`'s resource inputs as `like`
+    does (its `_read_only_resource_inputs`: TensorFlow derives it from what each op of
+    the body does with a handle, and would count memsave's pass-through of one as a
+    write)."""
     from tensorflow.python.ops import while_v2
     if parallel_iterations is None:
         parallel_iterations = like.get_attr("parallel_iterations")
@@ -323,4 +333,8 @@ def build_loop(like, cond_graph, body_graph, name, parallel_iterations=None):
             output_shapes=loop_output_shapes(like),
             parallel_iterations=parallel_iterations,
             name=name, num_original_outputs=len(like.outputs))
-    return outputs[0].op
+    loop = outputs[0].op
+    read_only = "_read_only_resource_inputs"
+    if read_only in like.node_def.attr:
+        loop._set_attr(read_only, like.node_def.attr[read_only])
+    return loop

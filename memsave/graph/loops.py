@@ -11,9 +11,10 @@ original body with its *core* wrapped in a gradient that recomputes the core fro
 tensors it reads. The core is every op of the body that may run again with the same
 result: no stateful op (a variable read of a handle the loop passes on unchanged is
 allowed, and nothing in the step may write that variable: see `calls`), no op making or
-reading a TensorList or a resource, no constant (the gradient copies those itself),
-no function call. The gradient of the copy then pushes only the core's inputs: the
-carry of the loop and the slices it reads, one buffer each per iteration, and the
+reading a TensorList or another resource, no constant (the gradient copies those
+itself), no function call. The gradient of the copy then pushes only the core's inputs:
+the carry of the loop and the slices it reads (a slice of a TensorList shares the list's
+buffer), one per iteration, and the
 backward loop runs the core once more per iteration before differentiating it.
 Gradient functions inside the core are called once, with their whole gradient, as
 tf.gradients calls them; nothing the core does not hold runs twice.
@@ -56,7 +57,8 @@ def why_loop_not_recomputed(op):
       None, or a short reason: the loop runs a stateful op, may write a variable it
       reads, or a variable it reads is written elsewhere in the step; its body could
       not be read back from the library; its body has a `tf.custom_gradient`, whose
-      gradient function holds the original body's tensors.
+      gradient function holds the original body's tensors, or runs library functions of
+      its own (a nested loop, a `tf.cond`, a call).
     """
     why = calls.why_call_not_repeatable(op)
     if why is not None:
@@ -66,6 +68,11 @@ def why_loop_not_recomputed(op):
         if _tf_private.gradient_reads_a_closure(inner):
             return (f"its body has a custom gradient ({inner.name}), whose function reads "
                     "the loop's own tensors, not a copy's")
+        if calls.names_functions(inner.node_def):
+            # (A copy would run the same library functions: TensorFlow's gradients of the
+            # loop and of its copy would both rewrite them, under the same names.)
+            return (f"its body runs a nested loop, conditional or function call "
+                    f"({inner.name}, {inner.type})")
     return None
 
 
@@ -92,22 +99,19 @@ def body_core(body, within_ops=None):
     read the core's gradient-wrapped outputs and feed its inputs, a cycle). Where one
     does, the core ops downstream of that op leave the core.
     """
-    invariant_handles = _passed_on_unchanged(body)
-    ops = body.get_operations()
+    invariants = _passed_on_unchanged(body)
+    ops = topological_sort(body.get_operations())
     if within_ops is not None:
         within = set(within_ops)
         ops = [op for op in ops if op in within]
-    core = {op for op in ops if _recomputable_in_body(op, invariant_handles)}
+    core = {op for op in ops if _recomputable_in_body(op, invariants)}
     while True:
-        downstream = set()  # ops outside the core that read the core, directly or not
-        for op in ops:
-            if op not in core and any(t.op in core or t.op in downstream for t in op.inputs):
-                downstream.add(op)
-        leaving = {op for op in core if any(t.op in downstream for t in op.inputs)}
+        downstream = _reading(ops, core)  # ops outside the core that read it
+        leaving = {op for op in core if any(p in downstream for p in _predecessors(op))}
         if not leaving:
             break
         core -= leaving
-    ordered = [op for op in topological_sort(ops) if op in core]
+    ordered = [op for op in ops if op in core]
     if not any(_is_computation(op) for op in ordered):
         return None
     returned = TensorSet(body.outputs)
@@ -125,6 +129,21 @@ def body_core(body, within_ops=None):
     return Core(ordered, inputs, outputs)
 
 
+def _predecessors(op):
+    """The ops `op` waits for: its inputs' and its control inputs."""
+    return [t.op for t in op.inputs] + list(op.control_inputs)
+
+
+def _reading(ordered_ops, members):
+    """The ops of `ordered_ops` (producers first) outside `members` that wait for one of
+    them, directly or through others (data or control edges)."""
+    found = set()
+    for op in ordered_ops:
+        if op not in members and any(p in members or p in found for p in _predecessors(op)):
+            found.add(op)
+    return found
+
+
 def _passed_on_unchanged(body):
     """The body's resource inputs that it returns as they came (a variable the loop
     reads): the gradient loop reads those handles again instead of keeping values."""
@@ -137,15 +156,20 @@ def _passed_on_unchanged(body):
     return result
 
 
-def _recomputable_in_body(op, invariant_handles):
+def _recomputable_in_body(op, invariants):
+    """Whether body op `op` may be recomputed in the gradient loop: stateless, or a read
+    of a variable the loop passes on (`invariants`); making or reading no other handle
+    or list."""
     if not op.inputs or op.type == "Placeholder":
         return False
     if any(t.dtype in (tf.variant, tf.resource) for t in op.outputs):
         return False
     if op.type == "ReadVariableOp":
-        return op.inputs[0] in invariant_handles
+        return op.inputs[0] in invariants
     if op.op_def is None or op.op_def.is_stateful:
         return False
+    # (Not a list read, TensorListGetItem: its element shares the list's buffer, so
+    # keeping it costs nothing, and the list's gradient would go through the core.)
     if any(t.dtype in (tf.variant, tf.resource) for t in op.inputs):
         return False
     return not calls.names_functions(op.node_def)
@@ -213,10 +237,7 @@ def _rebuilt_body(graph, source, core, needed, needed_ops, name):
     body = _tf_private.new_loop_body_graph(graph, name)
     members = set(core.ops)
     ordered = [op for op in topological_sort(source.get_operations()) if op in needed_ops]
-    reads_core = set()
-    for op in ordered:
-        if op not in members and any(t.op in members or t.op in reads_core for t in op.inputs):
-            reads_core.add(op)
+    reads_core = _reading(ordered, members)
     rest = [op for op in ordered if op not in members and op.type != "Placeholder"]
     with body.as_default():
         mapping = TensorMap((t, _tf_private.placeholder_like(t)) for t in source.inputs)
@@ -232,9 +253,9 @@ def _rebuilt_body(graph, source, core, needed, needed_ops, name):
         for t, passed in zip(core.outputs, _with_recompute_gradient(new_core)):
             mapping[t] = passed  # (what reads the core outside it reads it passed)
         copy([op for op in rest if op in reads_core])
-        body.inputs = [mapping[t] for t in source.inputs]
-        body.outputs = [mapping[t] if i in needed else body.inputs[i]
-                        for i, t in enumerate(source.outputs)]
+        inputs = [mapping[t] for t in source.inputs]
+        _tf_private.set_function_graph_io(body, inputs, [
+            mapping[t] if i in needed else inputs[i] for i, t in enumerate(source.outputs)])
     return body
 
 

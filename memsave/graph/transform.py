@@ -139,14 +139,15 @@ def copy_into_graph(ops, graph, mapping, name_scope=None, copy_control_inputs=Fa
       mapping: a TensorMap from tensors the ops read to tensors of `graph`; updated.
       name_scope: a prefix for the copies' names; None keeps the originals' names
         (made unique by `graph`).
-      copy_control_inputs: keep the originals' control inputs that were copied (by this
-        call or into `result`); otherwise the copies have none.
+      copy_control_inputs: keep the originals' control inputs, each of which must have
+        been copied before (by this call or into `result`); otherwise the copies have none.
       result: a `CopyResult` of earlier copies into `graph` to add these to.
     Returns:
       The `CopyResult`.
     Raises:
-      ValueError: if an op reads a tensor that is neither copied before it nor mapped.
-        Ops copied before the error stay in `graph` (a graph under construction).
+      ValueError: if an op reads a tensor that is neither copied before it nor mapped,
+        or waits for an op not copied before it. Ops copied before the error stay in
+        `graph` (a graph under construction).
     """
     result = CopyResult() if result is None else result
     for op in ops:
@@ -162,6 +163,9 @@ def copy_into_graph(ops, graph, mapping, name_scope=None, copy_control_inputs=Fa
             mapping[old_t] = new_t
         if copy_control_inputs:
             controls = [result.transformed(c) for c in op.control_inputs]
-            _tf_private.add_control_inputs(new_op, [c for c in controls if c is not None])
+            if None in controls:
+                raise ValueError(f"memsave.graph: cannot copy {op.name} into {graph.name}: it "
+                                 "waits for an op that is not copied before it")
+            _tf_private.add_control_inputs(new_op, controls)
         result._record(op, new_op)
     return result

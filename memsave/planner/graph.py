@@ -16,7 +16,7 @@ from memsave.environment import Environment
 from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.graph import loops as graph_loops
 from memsave.planner import costs, custom_gradients, opinfo
-from memsave.planner.loops import loop_memory, recomputed
+from memsave.planner.loops import list_bytes, loop_memory, recomputed
 from memsave.region import estimated_bytes
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,9 @@ class StepGraph:
         (never recomputed as an op: TensorFlow's gradient keeps what its body's gradient
         reads from every iteration, the rewrite may differentiate a recomputing copy).
       loop_mode: the memsave.recompute_loops mode the step was built under.
+      forwarded: ids of the tensors whose alias_of is an input whose buffer the kernel
+        writes into (opinfo.FORWARDED_OUTPUTS): shared only where that input is made in
+        the same pass, not a checkpoint read from the forward pass.
       small: ids of the region tensors of known size no larger than that: cheaper to
         keep from the forward pass than to recompute, a segment's gradients read them
         as the forward pass made them (segments.ForwardReads), e.g. a batch norm's
@@ -112,6 +115,7 @@ class StepGraph:
         self.boundaries = []
         self.loops = {}
         self.loop_mode = "auto"
+        self.forwarded = set()
         self.costs = costs.active()
 
     @classmethod
@@ -139,7 +143,9 @@ class StepGraph:
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
             if op in kept and graph_loops.is_loop(op):
-                step.loops[step.op_id[op]] = loop_memory(op, unknown_dim_size)
+                step.loops[step.op_id[op]] = loop_memory(
+                    op, unknown_dim_size, stopped=op in region.stopped_ops,
+                    under_xla=environment.under_xla)
         # (Under XLA, whose kernels make workspaces of their own, none is modelled.)
         step._size_workspaces(None if environment.under_xla else environment.kernels)
         step._link(region)
@@ -166,7 +172,8 @@ class StepGraph:
             tid = len(self.tensors)
             self.tensor_id[(op, t.value_index)] = tid
             self.tensors.append(t)
-            self.size.append(estimated_bytes(t, self.unknown_dim_size))
+            self.size.append(list_bytes(t, self.unknown_dim_size) if t.dtype == tf.variant
+                             else estimated_bytes(t, self.unknown_dim_size))
             if t.shape.rank is not None and None in t.shape.as_list() and t.dtype.is_floating:
                 self.unknown_dims.append(t.name)
             self.producer.append(index)
@@ -209,11 +216,30 @@ class StepGraph:
             elif op.type == "IdentityN" and len(self.inputs[index]) == len(op.inputs):
                 for source, tid in zip(self.inputs[index], self.outputs[index]):
                     self.alias_of[tid] = source
+        self._link_forwarded_outputs()
         stops = set()
         for index, op in enumerate(self.ops):
             if self.kind[index] in (REGION, KEPT):
                 self._link_gradient(index, op, region, stops)
         self._drop_gradients_nothing_reaches()
+
+    def _link_forwarded_outputs(self):
+        """An output the kernel writes into an input's buffer (opinfo.FORWARDED_OUTPUTS)
+        shares it, where that input, and every tensor sharing its buffer (a reshape of
+        the logits), is read by the next alone, and it is made in the step."""
+        for index, op in enumerate(self.ops):
+            forwarded = opinfo.FORWARDED_OUTPUTS.get(op.type)
+            if forwarded is None or len(self.inputs[index]) != len(op.inputs):
+                continue
+            read, out = self.inputs[index][forwarded[0]], self.outputs[index][forwarded[1]]
+            reader, source = index, read
+            while self.consumers[source] == [reader] and not self.is_y[source]:
+                if self.alias_of[source] < 0:  # (the buffer's owner: a reshape of it may be read)
+                    if self.kind[self.producer[source]] != RESIDENT:
+                        self.alias_of[out] = read
+                        self.forwarded.add(out)
+                    break
+                reader, source = self.producer[source], self.alias_of[source]
 
     def _drop_gradients_nothing_reaches(self):
         """tf.gradients makes no gradient for an op none of whose outputs gets one (its
@@ -367,13 +393,23 @@ class StepGraph:
         outs = self.outputs[op]
         if not outs or op in self.custom_gradient_ops:
             return False
-        if self.alias_of[outs[0]] >= 0:
+        if self.alias_of[outs[0]] >= 0 and outs[0] not in self.forwarded:  # (a view)
             return True
         tf_op = self.ops[op]
         return self.size[tid] == self.size[outs[0]] and any(
             opinfo.passes_gradient_through(tf_op.type, i)
             for i, t in enumerate(tf_op.inputs)
             if self.tensor_id.get((t.op, t.value_index)) == tid)
+
+    def gradient_into_output(self, op):
+        """(input tensor id, output tensor id) where op `op`'s gradient for that input is
+        written into that output's buffer (opinfo.GRADIENT_INTO_OUTPUT: nothing but the
+        gradient reads the output), else None."""
+        into = opinfo.GRADIENT_INTO_OUTPUT.get(self.ops[op].type)
+        if into is None or len(self.inputs[op]) != len(self.ops[op].inputs):
+            return None
+        out = self.outputs[op][into[1]]
+        return None if self.consumers[out] else (self.inputs[op][into[0]], out)
 
     def buffer_of(self, tid):
         """The tensor whose buffer `tid` shares (itself when it owns one)."""

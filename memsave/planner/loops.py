@@ -27,18 +27,21 @@ class LoopMemory:  # (see `recomputed` for the decision)
     """A loop's memory for its gradient.
 
     Attributes:
-      iterations: how many times the body runs (known, or assumed 1: `known`).
+      iterations: how many times the body runs at most (its maximum_iterations, or the
+        length of the sequence it reads: `known`), or 1 where the graph does not say.
       known: whether `iterations` was read from the graph.
       kept_by_tensorflow: bytes TensorFlow's gradient keeps from the forward loop.
       kept_by_copy: bytes memsave's recomputing copy holds while its gradient runs, or
         None where the loop is not recomputed (`why_kept`).
       why_kept: why memsave differentiates the loop as TensorFlow does, or None.
       gradient_run_ahead: bytes the gradient loop may hold besides: the executor runs
-        it up to parallel_iterations iterations ahead of where it sums the gradients of
+        it up to parallel_iterations iterations ahead (half of that is counted) of where
+        it sums the gradients of
         what the body reads from outside the loop (a weight's: one weight-sized product
         per iteration), less what it has freed of the loop's keep by then (it pops one
         iteration's per iteration). copy_run_ahead: the same for the copy's gradient (at
-        most memsave.graph.loops.PARALLEL_ITERATIONS iterations at once).
+        most memsave.graph.loops.PARALLEL_ITERATIONS iterations at once). Both count the
+        running sums of those gradients too.
     """
     iterations: int
     known: bool
@@ -49,15 +52,21 @@ class LoopMemory:  # (see `recomputed` for the decision)
     copy_run_ahead: int = 0
 
 
-def loop_memory(loop, unknown_dim_size=1):
-    """The LoopMemory of while_v2 loop op `loop` (`memsave.graph.loops.is_loop`)."""
+def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False):
+    """The LoopMemory of while_v2 loop op `loop` (`memsave.graph.loops.is_loop`);
+    `stopped`: one of its outputs is in the call's stop_gradients (its copy's would not
+    be: the loop is differentiated as it is); `under_xla`: the step is compiled by XLA,
+    which drops the control inputs that hold a copy back to the backward pass (it would
+    run beside the loop, keeping what it exists not to keep)."""
     iterations = _iterations(loop)
     body = _tf_private.loop_body_to_read(loop, _tf_private.loop_output_shapes(loop))
     invariant = _loop_invariants(body)
     per_iteration = sum(estimated_bytes(t, unknown_dim_size)
                         for t in _kept_by_tensorflow(body, invariant))
     count = iterations or 1
-    why = graph_loops.why_loop_not_recomputed(loop)
+    why = ("one of its outputs is in stop_gradients" if stopped
+           else "under XLA, which would run its copy in the forward pass" if under_xla
+           else graph_loops.why_loop_not_recomputed(loop))
     core = graph_loops.body_core(body) if why is None else None
     if why is None and core is None:
         why = "its body has nothing to recompute"
@@ -65,16 +74,22 @@ def loop_memory(loop, unknown_dim_size=1):
     if core is not None:
         carried = sum(estimated_bytes(t, unknown_dim_size) for t in core.inputs
                       if t not in invariant and _is_data(t) and not _is_constant(t))
-        outputs = sum(_output_bytes(loop, i, unknown_dim_size) for i in range(len(loop.outputs)))
+        # (An output the body passes on unchanged is its input: no memory of its own.)
+        outputs = sum(_output_bytes(loop, i, unknown_dim_size)
+                      for i, t in enumerate(body.inputs[:len(loop.outputs)]) if t not in invariant)
         kept_by_copy = count * carried + outputs + per_iteration
     products = sum(estimated_bytes(t, unknown_dim_size) for t in _read_from_outside(body, invariant))
     parallel = min(loop.get_attr("parallel_iterations"), count)
     copy_parallel = min(parallel, graph_loops.PARALLEL_ITERATIONS)
+    # (How far ahead the executor runs varies from step to step: on the LSTM benchmark
+    # (AMD EPYC, 2 cores) tf.gradients' peak was 110-151 MiB over five runs, the whole
+    # parallel_iterations ahead in the highest. Half of it is predicted.)
+    parallel = max(1, parallel // 2)
     return LoopMemory(iterations=count, known=iterations is not None,
                       kept_by_tensorflow=count * per_iteration, kept_by_copy=kept_by_copy,
                       why_kept=why,
-                      gradient_run_ahead=max(0, parallel * (products - per_iteration)),
-                      copy_run_ahead=max(0, copy_parallel * (products - carried)))
+                      gradient_run_ahead=products + max(0, parallel * (products - per_iteration)),
+                      copy_run_ahead=products + max(0, copy_parallel * (products - carried)))
 
 
 def _iterations(loop):
@@ -92,20 +107,27 @@ def _iterations(loop):
 
 
 def _output_bytes(loop, index, unknown_dim_size):
-    """Bytes of a loop output; a TensorList's as its elements' where the list the loop is
-    given says (a TensorListReserve of a known length: what an RNN writes its outputs to)."""
     t = loop.outputs[index]
-    if t.dtype != tf.variant:
-        return estimated_bytes(t, unknown_dim_size)
-    made_by = loop.inputs[index].op
-    if made_by.type != "TensorListReserve":
-        return 0
-    count = tf.get_static_value(made_by.inputs[1])
-    shape = tf.get_static_value(made_by.inputs[0])
-    if count is None or shape is None or shape.ndim != 1 or (shape < 0).any():
-        return 0
-    dtype = tf.as_dtype(made_by.get_attr("element_dtype"))
-    return int(count) * int(shape.prod()) * dtype.size
+    return list_bytes(t, unknown_dim_size) if t.dtype == tf.variant else estimated_bytes(
+        t, unknown_dim_size)
+
+
+def list_bytes(t, unknown_dim_size=1):
+    """Bytes of the elements of TensorList `t` where the graph says: a list made from a
+    tensor (TensorListFromTensor, a copy of it), a list of known length and element shape
+    (TensorListReserve: what an RNN writes its outputs to), or a loop's output of one
+    of those. 0 where it does not."""
+    op = t.op
+    if op.type == "TensorListFromTensor":
+        return estimated_bytes(op.inputs[0], unknown_dim_size)
+    if op.type == "TensorListReserve":
+        count, shape = tf.get_static_value(op.inputs[1]), tf.get_static_value(op.inputs[0])
+        if count is None or shape is None or shape.ndim != 1 or (shape < 0).any():
+            return 0
+        return int(count) * int(shape.prod()) * tf.as_dtype(op.get_attr("element_dtype")).size
+    if graph_loops.is_loop(op) and t.value_index < len(op.inputs):
+        return list_bytes(op.inputs[t.value_index], unknown_dim_size)
+    return 0
 
 
 def _read_from_outside(body, invariant):

@@ -441,10 +441,13 @@ class MemoryModel:
                 deferred.append((op, later, reads + incoming, temporaries))
         if temporaries:
             timeline.buffer(step, temporaries, "gradients", -(op + 1))
+        into = graph.gradient_into_output(op)
         for tid, nbytes in graph.grad_inputs[op]:
             if later and (tid, nbytes) in later:
                 continue
             shares = incoming[0] if incoming and graph.gradient_passes_through(op, tid) else None
+            if into is not None and into[0] == tid:
+                shares = buffers[into[1]]
             gradients.contribute(tid, nbytes, step, shares)
 
     def _deferred_steps(self, deferred, gradients, timeline):
@@ -535,7 +538,7 @@ class MemoryModel:
                 timeline.use(local.get(tid, forward[tid]), step)
             for tid in graph.outputs[op]:
                 source = graph.alias_of[tid]
-                if source >= 0:
+                if source >= 0 and (source in local or tid not in graph.forwarded):
                     local[tid] = local.get(source, forward[source])
                 else:
                     local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
