@@ -94,10 +94,10 @@ def body_core(body, within_ops=None):
     """The Core of loop body graph `body` (of its ops `within_ops`, default all), or
     None where it has no op worth recomputing.
 
-    The core is closed: no path leaves it and comes back (an op outside it that reads it,
-    such as the TensorListGetItem that reads a constant element shape, would otherwise
-    read the core's gradient-wrapped outputs and feed its inputs, a cycle). Where one
-    does, the core ops downstream of that op leave the core.
+    The core is closed: no path, of data or control edges, leaves it and comes back (an
+    op outside it that reads the core, a TensorList write say, would read the core's
+    gradient-wrapped outputs while feeding its inputs: a cycle). Where one does, the core
+    ops downstream of that op leave the core.
     """
     invariants = _passed_on_unchanged(body)
     ops = topological_sort(body.get_operations())
