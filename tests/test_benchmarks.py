@@ -18,7 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import bench_rewrite_time, compare, models, peak_breakdown  # noqa: E402
+from benchmarks import (  # noqa: E402
+    bench_rewrite_time, compare, graph_kinds, models, peak_breakdown)
 from memsave import measure  # noqa: E402
 
 TINY = {
@@ -248,6 +249,16 @@ def test_peak_breakdown_accounts_for_every_byte_alive_at_the_measured_peak():
     printed = peak_breakdown.format_breakdown(result)
     assert "memory model:" in printed and "grads of xs" in printed
     assert "the memory model holds at its own peak" in printed
+
+
+def test_graph_kinds_measures_both_kinds_of_graph_for_each_strategy(capsys):
+    peaks = graph_kinds.main(["--model", "mlp", "--depth", "4", "--batch", "512",
+                              "--strategies", "tf.gradients,memory", "--timeout", "300"])
+    assert set(peaks) == {"tf.gradients", "memory"}
+    # 4 tanh layers of 512 x 256 floats (0.5 MiB each): each step holds some of them.
+    assert all(0.5 < peak < 64 for pair in peaks.values() for peak in pair), peaks
+    printed = capsys.readouterr().out
+    assert "tf.function MiB" in printed and "Session MiB" in printed
 
 
 def test_budget_sweep_runs_budgets_down_to_an_infeasible_one(tmp_path, capsys):

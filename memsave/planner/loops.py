@@ -78,7 +78,8 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False):
         outputs = sum(_output_bytes(loop, i, unknown_dim_size)
                       for i, t in enumerate(body.inputs[:len(loop.outputs)]) if t not in invariant)
         kept_by_copy = count * carried + outputs + per_iteration
-    products = sum(estimated_bytes(t, unknown_dim_size) for t in _read_from_outside(body, invariant))
+    products = sum(estimated_bytes(t, unknown_dim_size)
+                   for t in _read_from_outside(body, invariant))
     parallel = min(loop.get_attr("parallel_iterations"), count)
     copy_parallel = min(parallel, graph_loops.PARALLEL_ITERATIONS)
     # (How far ahead the executor runs varies from step to step: on the LSTM benchmark
