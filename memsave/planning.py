@@ -118,8 +118,7 @@ class Plan:
             reads_checkpoints=self.reads_checkpoints, recomputes_ahead=self.recomputes_ahead,
             orders_backward=self.orders_backward,
             loops=[(graph.ops[op].name, report_lib.loop_line(
-                memory, self.fallback is None and graph.ops[op] in self.recomputed_loops,
-                self.fallback is not None or why_loop_kept(memory, graph.loop_mode)))
+                memory, why_loop_kept(memory, graph.loop_mode, self.fallback is not None)))
                    for op, memory in sorted(graph.loops.items())])
         for info in report.checkpoints:
             info.offloaded = info.name in self.offloaded

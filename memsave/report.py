@@ -225,13 +225,12 @@ class RewriteReport:
 RECOMPUTED_LOOP = "recomputed"
 
 
-def loop_line(memory, recomputed, why):
-    """The report's words for a loop's memsave.planner.loops.LoopMemory; `recomputed`:
-    whether the rewrite differentiates its recomputing copy; `why` it does not (True: plain
-    tf.gradients answers the call)."""
+def loop_line(memory, why):
+    """The report's words for a loop's memsave.planner.loops.LoopMemory; `why` the rewrite
+    differentiates it as TensorFlow does, None where it differentiates its recomputing
+    copy."""
     count = f"{memory.iterations} iterations" if memory.known else "iterations unknown (1 assumed)"
-    if not recomputed:
-        why = "plain tf.gradients answers the call" if why is True else why
+    if why is not None:
         return (f"kept as TensorFlow differentiates it ({count}, {_mb(memory.kept_by_tensorflow)}"
                 f" for its gradient): {why}")
     return (f"{RECOMPUTED_LOOP} in the backward pass ({count}): its copy holds "

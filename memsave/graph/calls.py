@@ -122,7 +122,8 @@ def _resource_writer(handle, initializers):
     """An op of the graph that may write the resource `handle` stands for, or None.
 
     A variable's initializer (one of `initializers`, a tf.compat.v1 graph's, run once
-    before any step) does not count; an identity of the handle (memsave's own segment inputs are such) is followed.
+    before any step) does not count; an identity of the handle (memsave's own segment
+    inputs are such) is followed.
     """
     for consumer in handle.consumers():
         if consumer.type in _RESOURCE_READ_TYPES or consumer in initializers:

@@ -50,8 +50,9 @@ def is_loop(op):
     return op.type in LOOP_OP_TYPES and "body" in op.node_def.attr
 
 
-def why_loop_not_recomputed(op):
-    """Why memsave keeps loop `op`'s gradient as TensorFlow builds it, or None.
+def why_loop_not_recomputed(op, body=None):
+    """Why memsave keeps loop `op`'s gradient as TensorFlow builds it, or None. `body`:
+    the loop's body graph where the caller read it already (`loop_body_to_read`).
 
     Returns:
       None, or a short reason: the loop runs a stateful op, may write a variable it
@@ -63,7 +64,8 @@ def why_loop_not_recomputed(op):
     why = calls.why_call_not_repeatable(op)
     if why is not None:
         return why.replace("its function", "its body")
-    body = _tf_private.loop_body_to_read(op, _tf_private.loop_output_shapes(op))
+    if body is None:
+        body = _tf_private.loop_body_to_read(op, _tf_private.loop_output_shapes(op))
     for inner in body.get_operations():
         if _tf_private.gradient_reads_a_closure(inner):
             return (f"its body has a custom gradient ({inner.name}), whose function reads "
@@ -99,7 +101,7 @@ def body_core(body, within_ops=None):
     gradient-wrapped outputs while feeding its inputs: a cycle). Where one does, the core
     ops downstream of that op leave the core.
     """
-    invariants = _passed_on_unchanged(body)
+    invariants = passed_on_unchanged(body)
     ops = topological_sort(body.get_operations())
     if within_ops is not None:
         within = set(within_ops)
@@ -144,14 +146,16 @@ def _reading(ordered_ops, members):
     return found
 
 
-def _passed_on_unchanged(body):
-    """The body's resource inputs that it returns as they came (a variable the loop
-    reads): the gradient loop reads those handles again instead of keeping values."""
+def passed_on_unchanged(body):
+    """The body's inputs that it returns as they came (loop invariants: a variable the
+    loop reads, a tensor it captures): TensorFlow's gradient reads those once, not per
+    iteration, and the gradient loop reads a passed-on handle again instead of keeping
+    the values read from it."""
     result = TensorSet()
     for t_in, t_out in zip(body.inputs, body.outputs):
         while t_out.op.type == "Identity":
             t_out = t_out.op.inputs[0]
-        if t_in.dtype == tf.resource and t_out is t_in:
+        if t_out is t_in:
             result.add(t_in)
     return result
 
@@ -165,7 +169,7 @@ def _recomputable_in_body(op, invariants):
     if any(t.dtype in (tf.variant, tf.resource) for t in op.outputs):
         return False
     if op.type == "ReadVariableOp":
-        return op.inputs[0] in invariants
+        return op.inputs[0] in invariants  # (a handle the loop passes on)
     if op.op_def is None or op.op_def.is_stateful:
         return False
     # (Not a list read, TensorListGetItem: its element shares the list's buffer, so

@@ -87,6 +87,9 @@ class StepGraph:
       forwarded: ids of the tensors whose alias_of is an input whose buffer the kernel
         writes into (opinfo.FORWARDED_OUTPUTS): shared only where that input is made in
         the same pass, not a checkpoint read from the forward pass.
+      gradient_into: op id -> (input tensor id, output tensor id) where the op's gradient
+        for that input is written into that output's buffer (opinfo.GRADIENT_INTO_OUTPUT:
+        nothing but the gradient reads the output).
       small: ids of the region tensors of known size no larger than that: cheaper to
         keep from the forward pass than to recompute, a segment's gradients read them
         as the forward pass made them (segments.ForwardReads), e.g. a batch norm's
@@ -116,6 +119,7 @@ class StepGraph:
         self.loops = {}
         self.loop_mode = "auto"
         self.forwarded = set()
+        self.gradient_into = {}
         self.costs = costs.active()
 
     @classmethod
@@ -217,6 +221,7 @@ class StepGraph:
                 for source, tid in zip(self.inputs[index], self.outputs[index]):
                     self.alias_of[tid] = source
         self._link_forwarded_outputs()
+        self._link_gradients_into_outputs()
         stops = set()
         for index, op in enumerate(self.ops):
             if self.kind[index] in (REGION, KEPT):
@@ -240,6 +245,16 @@ class StepGraph:
                         self.forwarded.add(out)
                     break
                 reader, source = self.producer[source], self.alias_of[source]
+
+    def _link_gradients_into_outputs(self):
+        """`gradient_into`: gradients written into an output nothing else reads
+        (opinfo.GRADIENT_INTO_OUTPUT), found once rather than at every simulated step."""
+        for index, op in enumerate(self.ops):
+            into = opinfo.GRADIENT_INTO_OUTPUT.get(op.type)
+            if into is not None and len(self.inputs[index]) == len(op.inputs):
+                out = self.outputs[index][into[1]]
+                if not self.consumers[out]:
+                    self.gradient_into[index] = (self.inputs[index][into[0]], out)
 
     def _drop_gradients_nothing_reaches(self):
         """tf.gradients makes no gradient for an op none of whose outputs gets one (its
@@ -403,13 +418,8 @@ class StepGraph:
 
     def gradient_into_output(self, op):
         """(input tensor id, output tensor id) where op `op`'s gradient for that input is
-        written into that output's buffer (opinfo.GRADIENT_INTO_OUTPUT: nothing but the
-        gradient reads the output), else None."""
-        into = opinfo.GRADIENT_INTO_OUTPUT.get(self.ops[op].type)
-        if into is None or len(self.inputs[op]) != len(self.ops[op].inputs):
-            return None
-        out = self.outputs[op][into[1]]
-        return None if self.consumers[out] else (self.inputs[op][into[0]], out)
+        written into that output's buffer (`gradient_into`), else None."""
+        return self.gradient_into.get(op)
 
     def buffer_of(self, tid):
         """The tensor whose buffer `tid` shares (itself when it owns one)."""

@@ -36,12 +36,11 @@ class LoopMemory:  # (see `recomputed` for the decision)
       why_kept: why memsave differentiates the loop as TensorFlow does, or None.
       gradient_run_ahead: bytes the gradient loop may hold besides: the executor runs
         it up to parallel_iterations iterations ahead (half of that is counted) of where
-        it sums the gradients of
-        what the body reads from outside the loop (a weight's: one weight-sized product
-        per iteration), less what it has freed of the loop's keep by then (it pops one
-        iteration's per iteration). copy_run_ahead: the same for the copy's gradient (at
-        most memsave.graph.loops.PARALLEL_ITERATIONS iterations at once). Both count the
-        running sums of those gradients too.
+        it sums the gradients of what the body reads from outside the loop (a weight's:
+        one weight-sized product per iteration), less what it has freed of the loop's
+        keep by then (it pops one iteration's per iteration). copy_run_ahead: the same
+        for the copy's gradient (at most memsave.graph.loops.PARALLEL_ITERATIONS
+        iterations at once). Both count the running sums of those gradients too.
     """
     iterations: int
     known: bool
@@ -60,13 +59,13 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False):
     run beside the loop, keeping what it exists not to keep)."""
     iterations = _iterations(loop)
     body = _tf_private.loop_body_to_read(loop, _tf_private.loop_output_shapes(loop))
-    invariant = _loop_invariants(body)
+    invariant = graph_loops.passed_on_unchanged(body)
     per_iteration = sum(estimated_bytes(t, unknown_dim_size)
                         for t in _kept_by_tensorflow(body, invariant))
     count = iterations or 1
     why = ("one of its outputs is in stop_gradients" if stopped
            else "under XLA, which would run its copy in the forward pass" if under_xla
-           else graph_loops.why_loop_not_recomputed(loop))
+           else graph_loops.why_loop_not_recomputed(loop, body))
     core = graph_loops.body_core(body) if why is None else None
     if why is None and core is None:
         why = "its body has nothing to recompute"
@@ -76,7 +75,8 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False):
                       if t not in invariant and _is_data(t) and not _is_constant(t))
         # (An output the body passes on unchanged is its input: no memory of its own.)
         outputs = sum(_output_bytes(loop, i, unknown_dim_size)
-                      for i, t in enumerate(body.inputs[:len(loop.outputs)]) if t not in invariant)
+                      for i, t in enumerate(body.inputs[:len(loop.outputs)])
+                      if t not in invariant)
         kept_by_copy = count * carried + outputs + per_iteration
     products = sum(estimated_bytes(t, unknown_dim_size)
                    for t in _read_from_outside(body, invariant))
@@ -143,18 +143,6 @@ def _read_from_outside(body, invariant):
     return result
 
 
-def _loop_invariants(body):
-    """The body inputs it returns unchanged: TensorFlow reads those once, not per
-    iteration."""
-    result = TensorSet()
-    for t_in, t_out in zip(body.inputs, body.outputs):
-        while t_out.op.type == "Identity":
-            t_out = t_out.op.inputs[0]
-        if t_out is t_in:
-            result.add(t_in)
-    return result
-
-
 def _kept_by_tensorflow(body, invariant):
     """The body tensors TensorFlow's gradient keeps from each iteration: those the
     gradients of the ops between the body's differentiable inputs and outputs read,
@@ -211,8 +199,11 @@ def recomputed(memory, mode):
                                 < memory.kept_by_tensorflow + memory.gradient_run_ahead)
 
 
-def why_not_recomputed(memory, mode):
-    """The report's reason a loop is differentiated as TensorFlow does (None: it is not)."""
+def why_not_recomputed(memory, mode, fallback=False):
+    """The report's reason a loop is differentiated as TensorFlow does (None: it is not);
+    `fallback`: plain tf.gradients answers the call."""
+    if fallback:
+        return "plain tf.gradients answers the call"
     if memory.why_kept is not None:
         return memory.why_kept
     if mode == "never":
