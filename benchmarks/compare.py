@@ -106,6 +106,12 @@ def _strategy_gradient_fn(strategy, model, offload=False):
 
         def compute(ys, xs):
             return memsave.gradients(ys, xs, checkpoints=memsave.budget(limit), offload=offload)
+    elif strategy.startswith(CALIBRATED_BUDGET + ":"):
+        limit = _budget_limit(strategy)
+
+        def compute(ys, xs):  # (_measure calibrates the step first: CALIBRATION holds it)
+            budget = memsave.budget(limit, calibration=CALIBRATION.get("measured"))
+            return memsave.gradients(ys, xs, checkpoints=budget, offload=offload)
     elif strategy.startswith("every:"):
         every = int(strategy.split(":", 1)[1])
         if every < 1:
@@ -120,8 +126,8 @@ def _strategy_gradient_fn(strategy, model, offload=False):
         return _tape_gradient_fn(strategy, offload)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; use {BASELINE}, "
-                         f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F, every:K, tape:S or "
-                         "patched-tape:S (S a strategy name)")
+                         f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F, calibrated-budget:F, "
+                         "every:K, tape:S or patched-tape:S (S a strategy name)")
 
     timings = {"grad_build_s": 0.0}
 
@@ -136,6 +142,11 @@ def _strategy_gradient_fn(strategy, model, offload=False):
 
     return grad_fn, timings
 
+
+# 'calibrated-budget:F': memsave.budget(F, calibration=...) with the step measured first
+# by memsave.calibrate_memory (in the same child, before the step is traced).
+CALIBRATED_BUDGET = "calibrated-budget"
+CALIBRATION = {}
 
 # A training step written with a GradientTape: 'tape:S' records it on a
 # memsave.GradientTape(checkpoints=S); 'patched-tape:S' on a plain tf.GradientTape with
@@ -208,7 +219,7 @@ def _report_summary(strategy):
     summary["offloaded"] = len(set(getattr(report, "offloaded", ())))
     for field in ("copied_ops", "kept_bytes", "recomputed_bytes", "fallback",
                   "predicted_peak_bytes", "baseline_peak_bytes", "recompute_fraction",
-                  "offload_moved_bytes"):
+                  "offload_moved_bytes", "calibrated_peak_bytes"):
         value = getattr(report, field, None)
         if value is not None:
             summary[field] = value
@@ -332,6 +343,12 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
     grad_fn, timings = _strategy_gradient_fn(strategy, model, offload)
     step = model.make_step(grad_fn, jit_compile=jit)
     inputs = [tf.constant(array) for array in model.inputs]
+    if strategy.startswith(CALIBRATED_BUDGET + ":"):
+        import memsave
+        start = time.perf_counter()
+        CALIBRATION["measured"] = memsave.calibrate_memory(step, *inputs)
+        out["calibrate_s"] = time.perf_counter() - start
+        out["calibrated_baseline_bytes"] = CALIBRATION["measured"].peak_bytes
 
     start = time.perf_counter()
     concrete = step.get_concrete_function(*inputs)
@@ -595,7 +612,9 @@ def _rows(results, strategies, paths, offload_requested=False):
         row["description"] = result.get("description")
         row["report"] = result.get("report")
         if result.get("predicted_peak_bytes"):
-            row["predicted_mb"] = result["predicted_peak_bytes"] / 2**20
+            # (A calibrated budget's prediction is the one scaled to the measured step.)
+            row["predicted_mb"] = (result.get("calibrated_peak_bytes")
+                                   or result["predicted_peak_bytes"]) / 2**20
         if ok:
             row["peak_mb"] = result["peak_bytes"] / 2**20
             if row["predicted_mb"]:
@@ -961,7 +980,9 @@ def main(argv=None):
                              "processes) instead of alternating with tf.gradients in the same one")
     parser.add_argument("--strategies", default=None,
                         help="comma-separated, from tf.gradients, speed, memory, collection, "
-                             "budget:F (memsave.budget(F), F a fraction or e.g. 200MiB), every:K "
+                             "budget:F (memsave.budget(F), F a fraction or e.g. 200MiB), "
+                             "calibrated-budget:F (the same, with the step measured first by "
+                             "memsave.calibrate_memory), every:K "
                              "(explicit list: every K-th block output), tape:S (the step recorded "
                              "on memsave.GradientTape(checkpoints=S)), patched-tape:S (on "
                              "tf.GradientTape under memsave.patch(checkpoints=S)), remat:MODE "

@@ -1,15 +1,27 @@
-"""Measuring the cost model's prices on this machine: `memsave.calibrate()`.
+"""Measuring what the planner's models assume, on this machine.
 
-It times compiled graphs, memsave's rewrite among them, so it sits above the planner
-(memsave.planner.costs holds the prices and the defaults measured with it).
+- `memsave.calibrate()` times compiled graphs, memsave's rewrite among them, and returns
+  the cost model's prices (memsave.planner.costs holds them and the defaults measured
+  with it);
+- `memsave.calibrate_memory(step, ...)` runs one training step with plain tf.gradients
+  and reads the allocator's peak and what was alive at it: a budget given that
+  calibration is a fraction of the *measured* peak, and the memory model's predictions
+  are scaled to it (memsave.planner.calibrated).
+
+Both run TensorFlow, memsave's rewrite among it, so they sit above the planner.
 """
 
+import os
+import tempfile
 import time
 
 import numpy as np
 import tensorflow as tf
 
 from memsave import rewrite
+from memsave.errors import MemsaveError
+from memsave.graph import _tf_private
+from memsave.planner.calibrated import Allocation, MemoryCalibration
 from memsave.planner.costs import Costs
 
 
@@ -98,3 +110,103 @@ def _segment_overhead(extra, x, length=200):
                 return rewrite.gradients(loss, [x], checkpoints=outputs[1:])[0]
         return run
     return extra(step("memsave"), step("plain"), x) / (length - 1)
+
+
+def calibrate_memory(step, *args, **kwargs):
+    """Runs `step(*args, **kwargs)` with plain tf.gradients answering memsave's gradient
+    calls in it, and measures the allocator's peak and what was alive at it.
+
+    The step runs twice: once to trace and warm up, once measured (the allocator's peak
+    statistics reset, the profiler recording which op made each buffer). A tf.function
+    is run as a fresh tf.function of the same Python function, so the step's own traces
+    (which memsave's gradients build) are left as they are. For a tf.compat.v1 graph,
+    pass a callable that runs the step's tf.gradients fetches in your session, built
+    once outside it: `grads = tf.gradients(loss, params)`, then
+    `memsave.calibrate_memory(lambda: sess.run(grads, feed))`.
+
+    Args:
+      step: a callable running one training step (a tf.function, or a Python callable).
+      *args, **kwargs: what to call it with.
+    Returns:
+      A MemoryCalibration, for `memsave.budget(..., calibration=...)`.
+    Raises:
+      MemsaveError: for a step that is not callable, or where the allocator keeps no
+        peak (on a CPU: TF_CPU_ALLOCATOR_USE_BFC=true must be set before TensorFlow is
+        imported).
+    """
+    if not callable(step):
+        raise MemsaveError(f"calibrate_memory's step is a {type(step).__name__}; pass the "
+                           "callable that runs one training step (e.g. your tf.function)")
+    from memsave import measure
+    device = measure.memory_device()
+    _check_allocator_keeps_peaks(device)
+    step = _tf_private.fresh_function(step)
+    with rewrite.answered_by_tf_gradients():
+        step(*args, **kwargs)
+        before = tf.config.experimental.get_memory_info(device)["current"]
+        tf.config.experimental.reset_memory_stats(device)
+        with tempfile.TemporaryDirectory(prefix="memsave_calibration_") as logdir:
+            profiling = _start_profiler(logdir)
+            try:
+                step(*args, **kwargs)
+            finally:
+                if profiling:
+                    tf.profiler.experimental.stop()
+            peak = tf.config.experimental.get_memory_info(device)["peak"]
+            _check_allocator_keeps_peaks(device, peak)
+            profile = _tf_private.memory_profile(logdir) if profiling else None
+    at_peak, ops, shapes = _records(profile, peak)
+    return MemoryCalibration(peak_bytes=int(peak), before_bytes=int(before), device=device,
+                             at_peak=at_peak, ops=ops, shapes=shapes)
+
+
+def _check_allocator_keeps_peaks(device, peak=None):
+    """Raises MemsaveError where `device`'s allocator keeps no peak: a CPU's unless
+    TF_CPU_ALLOCATOR_USE_BFC=true (TensorFlow then reports 0), or a measured `peak` of 0."""
+    bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("true", "1")
+    if (device.startswith("CPU") and not bfc) or peak == 0:
+        raise MemsaveError(
+            f"calibrate_memory reads the peak of {device}'s allocator, which keeps none "
+            "here; on a CPU set TF_CPU_ALLOCATOR_USE_BFC=true in the environment before "
+            "TensorFlow is imported (its BFC allocator keeps peaks)")
+
+
+def _start_profiler(logdir):
+    """Starts TensorFlow's profiler (its memory records say which op made each buffer);
+    False where it cannot start (another profile is being taken): the peak is still read."""
+    try:
+        tf.profiler.experimental.start(logdir)
+    except (tf.errors.AlreadyExistsError, tf.errors.UnavailableError):
+        return False
+    return True
+
+
+def _records(profile, peak):
+    """(the Allocations alive at the peak of the allocator that peaked at `peak`, largest
+    first; the names of the ops that allocated; (op name, the shape of what it allocated)
+    pairs) from a memory profile (or None)."""
+    allocators = (profile or {}).get("memoryProfilePerAllocator", {})
+    if not allocators:
+        return (), frozenset(), ()
+    chosen = min(allocators.values(), key=lambda a: abs(
+        int(a["profileSummary"].get("peakStats", {}).get("peakBytesInUse", 0)) - peak))
+    snapshots = chosen.get("memoryProfileSnapshots", [])
+    special = chosen.get("specialAllocations", [])
+    at_peak = []
+    for active in chosen.get("activeAllocations", []):
+        index, special_index = int(active["snapshotIndex"]), int(active["specialIndex"])
+        record = (snapshots[index]["activityMetadata"] if index >= 0
+                  else special[special_index])
+        if " " in record.get("tfOpName", " "):  # ("unused preallocated device memory")
+            continue
+        at_peak.extend([Allocation(record["tfOpName"], record.get("regionType", ""),
+                                   int(record.get("allocationBytes", 0)),
+                                   record.get("dataType", ""), record.get("tensorShape", ""))]
+                       * int(active.get("numOccurrences", 1)))
+    made = [s["activityMetadata"] for s in snapshots]
+    made = [record for record in made if " " not in record.get("tfOpName", " ")]
+    shapes = {}
+    for record in made:
+        shapes.setdefault(record["tfOpName"], record.get("tensorShape", ""))
+    return (tuple(sorted(at_peak, key=lambda a: -a.bytes)),
+            frozenset(record["tfOpName"] for record in made), tuple(sorted(shapes.items())))

@@ -23,6 +23,7 @@ from memsave.environment import Environment
 from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private, calls
 from memsave.graph.select import TensorSet
+from memsave.planner.calibrated import Calibrated
 from memsave.planner.graph import StepGraph
 from memsave.planner.loops import why_not_recomputed as why_loop_kept
 from memsave.planner.memory import Prediction
@@ -77,6 +78,8 @@ class Plan:
         through a recomputing copy (memsave.graph.loops), for all the others TensorFlow's.
       fallback: why plain tf.gradients answers instead, or None.
       warn: whether that fallback deserves a warning (the caller listed checkpoints).
+      calibrated: the scale to a measured step the strategy planned with
+        (memsave.planner.calibrated.Calibrated), or None.
     """
     strategy: str
     region: ForwardRegion
@@ -99,6 +102,7 @@ class Plan:
     recomputed_loops: FrozenSet[tf.Operation] = frozenset()
     fallback: Optional[str] = None
     warn: bool = False
+    calibrated: Optional[Calibrated] = None
 
     @property
     def checkpoint_tensors(self):
@@ -109,7 +113,8 @@ class Plan:
         graph, baseline, prediction = self.step_graph, self.baseline, self.prediction
         report = report_lib.RewriteReport(
             strategy=self.strategy, region_ops=len(self.region),
-            checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason) for c in self.checkpoints],
+            checkpoints=[report_lib.CheckpointInfo.of(c.tensor, c.reason, graph.unknown_dim_size)
+                         for c in self.checkpoints],
             dropped=list(self.dropped),
             not_recomputable=[(op.name, why) for op, why in self.region.kept_ops],
             baseline_peak_bytes=baseline.device_peak_bytes, baseline_peak_at=baseline.device_peak_at,
@@ -122,6 +127,11 @@ class Plan:
                    for op, memory in sorted(graph.loops.items())])
         for info in report.checkpoints:
             info.offloaded = info.name in self.offloaded
+        peak = (prediction or baseline).device_peak_bytes
+        if self.calibrated is not None:
+            report.memory_calibration = self.calibrated.describe()
+            report.measured_baseline_peak_bytes = self.calibrated.calibration.peak_bytes
+            report.calibrated_peak_bytes = self.calibrated.measured(peak)
         if prediction is None:
             report.predicted_peak_bytes = baseline.device_peak_bytes
             report.predicted_live_bytes = baseline.peak_bytes
@@ -166,7 +176,7 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
     kept, segmentation = _with_shared_tensors(kept, model.graph, region)
     common = dict(strategy=strategy_name, region=region, environment=environment,
                   step_graph=model.graph, dropped=tuple(dropped),
-                  baseline=model.baseline(allocator=True))
+                  baseline=model.baseline(allocator=True), calibrated=selection.calibrated)
     if not kept:
         return Plan(checkpoints=(), fallback=selection.plain or _no_checkpoints_message(
             strategy_name, region), warn=explicit and selection.plain is None, **common)

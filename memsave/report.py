@@ -28,8 +28,9 @@ class CheckpointInfo:
     offloaded: bool = False
 
     @classmethod
-    def of(cls, t, reason):
-        return cls(t.name, str(t.shape), t.dtype.name, estimated_bytes(t), reason)
+    def of(cls, t, reason, unknown_dim_size=1):
+        return cls(t.name, str(t.shape), t.dtype.name, estimated_bytes(t, unknown_dim_size),
+                   reason)
 
 
 @dataclasses.dataclass
@@ -85,7 +86,11 @@ class RewriteReport:
     already serialized). `loops` says, for each while_v2 loop on the path, what its
     gradient keeps: recomputed (a copy runs in the backward pass and keeps only each
     iteration's carry and inputs, memsave.graph.loops) or kept as TensorFlow builds it,
-    and why.
+    and why. `memory_calibration` says which peaks a budget compared with its limit:
+    None for the memory model's, else the measurement (memsave.calibrate_memory) and the
+    scale applied to the model's predictions; `measured_baseline_peak_bytes` is then
+    tf.gradients' measured peak, and `calibrated_peak_bytes` this plan's predicted peak
+    so scaled.
     """
     strategy: str
     region_ops: int
@@ -115,6 +120,9 @@ class RewriteReport:
     predicted_segments: int = 0
     predicted_recomputed_ops: int = 0
     loops: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+    memory_calibration: Optional[str] = None
+    measured_baseline_peak_bytes: Optional[int] = None
+    calibrated_peak_bytes: Optional[int] = None
 
     @property
     def kept_bytes(self):
@@ -185,7 +193,13 @@ class RewriteReport:
         if self.baseline_peak_bytes:
             text += f" ({self.predicted_peak_bytes / self.baseline_peak_bytes:.2f}x)"
         text += f", at {self.peak_at}"
-        if self.unknown_dims:
+        if self.memory_calibration is not None:
+            text += (f"; calibrated: {_mb(self.calibrated_peak_bytes)} vs tf.gradients' measured "
+                     f"{_mb(self.measured_baseline_peak_bytes)} ({self.memory_calibration})")
+        if self.unknown_dims and self.memory_calibration is not None:
+            text += (f" ({self.unknown_dims} tensors have unknown dimensions, counted as "
+                     f"{self.unknown_dim_size}, as measured)")
+        elif self.unknown_dims:
             text += (f" ({self.unknown_dims} tensors have unknown dimensions, counted as "
                      f"{self.unknown_dim_size}: pass unknown_dim_size= to memsave.plan or "
                      "memsave.budget)")

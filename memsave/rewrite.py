@@ -76,6 +76,15 @@ def _switched(name, value):
         setattr(_switches, name, previous)
 
 
+@contextlib.contextmanager
+def answered_by_tf_gradients():
+    """Within this context, plain tf.gradients answers memsave's gradient calls (after
+    their arguments are checked): what memsave.calibrate_memory measures. Restores the
+    previous setting on exit."""
+    with _switched("plain", True):
+        yield
+
+
 LOOP_MODES = ("auto", "always", "never")
 
 
@@ -180,6 +189,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
     if _tf_private.a_tape_is_recording():
         return _plain_gradients(_plain_report(strategy_name, _TAPE_RECORDING), explicit,
                                 ys, xs, grad_ys, options)
+    if getattr(_switches, "plain", None):
+        return _plain_gradients(_plain_report(strategy_name, _CALIBRATING), False,
+                                ys, xs, grad_ys, options)
     options.stop = TensorSet(call.stop)
     with call.graph.as_default():
         region = ForwardRegion.build(call.ys, call.xs, call.stop)
@@ -202,12 +214,19 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
 def _problem(region, environment, strategy, offload, unknown_dim_size=None):
     """The Problem a strategy plans for: unknown dimensions count as the strategy's
     `unknown_dim_size` (memsave.budget(..., unknown_dim_size=)), else the call's
-    (memsave.plan), else 1; offload is the call's (None under XLA, with a warning)."""
-    size = getattr(strategy, "unknown_dim_size", None) or unknown_dim_size or 1
+    (memsave.plan), else what the strategy's memory calibration measured them to be
+    (memsave.budget(..., calibration=)), else 1; offload is the call's (None under XLA,
+    with a warning)."""
+    size = getattr(strategy, "unknown_dim_size", None) or unknown_dim_size
+    calibration = getattr(strategy, "calibration", None)
+    if size is None and calibration is not None:
+        size = calibration.unknown_dim_size(region.ys[0].graph)
+    size = size or 1
     return Problem(region, environment, size, offload_lib.usable(offload, environment))
 
 
 _UNCONNECTED = "none of the ys depends on any of the xs"
+_CALIBRATING = "memsave.calibrate_memory is measuring tf.gradients' step"
 # A tape recording around the call would not record memsave's copies (made by the graph
 # editor, not TensorFlow's op wrappers), and its own gradients through them would be
 # wrong: tf.gradients' ops it records.

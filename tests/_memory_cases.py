@@ -246,3 +246,27 @@ def lstm_stack(mode, layers=2, batch=32, steps=60, units=128, features=16):
     x = tf.constant(np.random.RandomState(0).standard_normal([batch, steps, features])
                     .astype(np.float32))
     return _measure(step, x)
+
+
+def grouped_conv_stack(mode, layers=3, batch=8, size=4, channels=256):
+    """Keras grouped (depthwise) 7x7 convolutions, which Keras runs on a CPU as functions
+    compiled by XLA; the gradient's program of each holds two dense 7x7 x channels x
+    channels filters (24.5 MiB at 256 channels) that no tensor of the graph shows."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    image = keras.Input((size, size, channels))
+    h = image
+    for _ in range(layers):
+        h = keras.layers.Conv2D(channels, 7, padding="same", groups=channels)(h)
+        h = keras.layers.Activation("gelu")(h)
+    net = keras.Model(image, h)
+    weights = net.trainable_variables
+
+    @tf.function
+    def step(x):
+        return _gradient_fn(mode, [])(tf.reduce_mean(net(x) ** 2), weights)
+
+    x = tf.constant(np.random.RandomState(0).standard_normal([batch, size, size, channels])
+                    .astype(np.float32))
+    return _measure(step, x)

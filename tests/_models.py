@@ -15,6 +15,14 @@ def _const(shape, seed, scale=1.0):
     return tf.constant((np.random.RandomState(seed).standard_normal(shape) * scale).astype(np.float32))
 
 
+def tanh_mlp_loss(x, weights):
+    """sum(h * h) of h = tanh(... tanh(x @ w0) ... @ wn): a step many tests share."""
+    h = x
+    for w in weights:
+        h = tf.tanh(tf.matmul(h, w))
+    return tf.reduce_sum(h * h)
+
+
 _VARIABLES = {}
 
 

@@ -267,3 +267,27 @@ def test_a_call_tf_gradients_differentiated_first_is_copied_as_its_inference_cal
     copies = _copied_calls(step.get_concrete_function(tf.constant(X)).graph)
     assert copies
     assert len(calls_made) == 1  # (2 where a copy kept the rewritten call's extra outputs)
+
+
+@pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")),
+                    reason="Keras compiles grouped convolutions with XLA on a CPU only")
+def test_the_model_counts_the_dense_filters_xla_holds_for_a_grouped_convolution():
+    import keras
+
+    from memsave.planner import xla_buffers
+
+    channels = 64
+    grouped = keras.layers.Conv2D(channels, 7, padding="same", groups=channels)
+    dense = keras.layers.Conv2D(channels, 3, padding="same")
+    x = tf.zeros([2, 4, 4, channels])
+
+    @tf.function
+    def step(x):
+        return tf.reduce_sum(dense(grouped(x)))
+
+    graph = step.get_concrete_function(x).graph
+    found = {op.name: xla_buffers.gradient_temporary_bytes(op) for op in graph.get_operations()}
+    compiled = [name for name, size in found.items() if size]
+    assert len(compiled) == 1 and "conv2d" in compiled[0]
+    assert found[compiled[0]] == 2 * 7 * 7 * channels * channels * 4
+    assert sum(found.values()) == found[compiled[0]]  # (nothing for the dense one)

@@ -1019,14 +1019,14 @@ def test_a_deferred_filter_gradient_is_not_waited_for_by_its_input_gradient(monk
 
 
 def test_a_deferred_gradient_never_holds_back_a_gradient_later_segments_read():
-    # The bias's gradient (a reduction of the add's incoming gradient, cast back to
-    # float64: larger than the cast's float32 output) is deferred; that incoming
-    # gradient is also the checkpoint's, which the first segment reads later.
+    # The offset's gradient (the add's incoming gradient, cast back to float64: larger
+    # than what the add's gradient holds, the float32 incoming gradient) is deferred;
+    # that incoming gradient is also the checkpoint's, which the first segment reads later.
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [64, 64])
         w = tf.Variable(tf.random.stateless_normal([64, 64], [4, 0]) * 0.1)
-        b = tf.Variable(tf.random.stateless_normal([64], [5, 0], dtype=tf.float64))
+        b = tf.Variable(tf.random.stateless_normal([64, 64], [5, 0], dtype=tf.float64))
         checkpoint = tf.matmul(tf.tanh(x), w)
         loss = tf.reduce_sum(tf.tanh(checkpoint + tf.cast(b, tf.float32)))
         expected = tf.gradients(loss, [w, b])
@@ -1039,6 +1039,29 @@ def test_a_deferred_gradient_never_holds_back_a_gradient_later_segments_read():
     assert deferred == 1
     for a, b in zip(want, have):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_read_through_a_cast_is_deferred_only_where_its_readers_gradients_hold_less():
+    """Mixed precision reads a float32 weight through a Cast; deferring the Cast's
+    gradient defers what makes it (the convolution's filter gradient, reading the
+    convolution's input and output gradient), so that is what deferral holds: not worth
+    it for a 1x1 convolution of large activations (a 128 KiB weight, 4 MiB held), worth it
+    for a 3x3 one of 1024 channels at 2x2 pixels (a 72 MiB weight, 256 KiB held)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 32, 32, 64])
+        small = tf.Variable(tf.zeros([1, 1, 64, 256], tf.float64))
+        large = tf.Variable(tf.zeros([3, 3, 1024, 1024], tf.float64))
+        small_read, large_read = tf.cast(small, tf.float32), tf.cast(large, tf.float32)
+        y = tf.nn.conv2d(tf.tanh(x), small_read, 1, "SAME")
+        z = tf.nn.avg_pool2d(tf.tanh(y), 16, 16, "VALID")
+        z = tf.nn.conv2d(tf.concat([z, z, z, z], axis=-1), large_read, 1, "SAME")
+        loss = tf.reduce_sum(tf.tanh(z))
+        graph = planner.model_of(
+            ForwardRegion.build([loss], [x, small.handle, large.handle])).graph
+        small_value = graph.id_of(small_read.op.inputs[0])
+        large_value = graph.id_of(large_read.op.inputs[0])
+    assert large_value in graph.deferred_tensors
+    assert small_value not in graph.deferred_tensors
 
 
 def test_a_weight_gradient_is_deferred_only_where_every_reader_and_a_dense_gradient_allow():

@@ -338,3 +338,61 @@ def build_loop(like, cond_graph, body_graph, name, parallel_iterations=None):
     if read_only in like.node_def.attr:
         loop._set_attr(read_only, like.node_def.attr[read_only])
     return loop
+
+
+def memory_profile(logdir):
+    """The memory profile of the profiler trace written under `logdir` (what TensorBoard's
+    memory tool shows: per allocator, the allocations alive at its peak, with the op that
+    made each), as the parsed JSON, or None where this TensorFlow cannot convert it."""
+    import glob
+    import json
+    try:  # (TensorFlow 2.16 names the converter's module _pywrap_profiler)
+        from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as converter
+    except ImportError:
+        from tensorflow.python.profiler.internal import _pywrap_profiler as converter
+    paths = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    if not paths or not hasattr(converter, "xspace_to_tools_data"):
+        return None
+    data, ok = converter.xspace_to_tools_data(paths, "memory_profile", {})
+    return json.loads(data) if ok and data else None
+
+
+def fresh_function(step):
+    """A new tf.function of `step`'s Python function, compiled as `step` is (XLA or not),
+    with none of its traces; `step` itself where it is not a tf.function."""
+    import tensorflow as tf
+    if not hasattr(step, "python_function"):
+        return step
+    return tf.function(step.python_function, jit_compile=getattr(step, "_jit_compile", None))
+
+
+def called_function_graph(call):
+    """A graph of the function call op `call` runs (its `f`), its inputs shaped as the
+    call's, to read; None where the library has no such function."""
+    from tensorflow.python.framework import function_def_to_graph
+    definition = function_definition(call.graph, call.get_attr("f").name)
+    if definition is None:
+        return None
+    return function_def_to_graph.function_def_to_graph(
+        definition, input_shapes=[t.shape for t in call.inputs])
+
+
+def compiled_by_xla(call):
+    """Whether call op `call`'s function is compiled by XLA (jit_compile=True)."""
+    attr = "_XlaMustCompile"
+    if attr in call.node_def.attr and call.node_def.attr[attr].b:
+        return True
+    definition = function_definition(call.graph, call.get_attr("f").name)
+    return (definition is not None and attr in definition.attr
+            and definition.attr[attr].b)
+
+
+def resource_value_shape(handle):
+    """The static shape of the value a resource tensor (a variable's handle) holds, as its
+    handle data says, or None."""
+    from tensorflow.python.framework import tensor_shape
+    from tensorflow.python.ops import handle_data_util
+    data = handle_data_util.get_resource_handle_data(handle)
+    if data is None or not data.is_set or not data.shape_and_type:
+        return None
+    return tensor_shape.TensorShape(data.shape_and_type[0].shape)

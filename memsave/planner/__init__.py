@@ -10,11 +10,14 @@ searches that choose checkpoints with them.
 - intervals.py: the most bytes alive at once among buffers over ranges of steps;
 - allocator.py: that step replayed through TensorFlow's BFC allocator (what it holds);
 - search.py:   the plans with the lowest predicted peak, or the least recomputation
-               under a budget.
+               under a budget;
+- calibrated.py: a step's measured peak (memsave.calibrate_memory) and the scale
+               from the model's predictions to it.
 """
 
 from memsave.errors import MemsaveError
 from memsave.environment import Environment
+from memsave.planner.calibrated import MemoryCalibration
 from memsave.planner.costs import Costs
 from memsave.planner.graph import StepGraph
 from memsave.planner.memory import MemoryModel, Prediction
@@ -45,4 +48,4 @@ def model_of(region, environment=None, unknown_dim_size=1, defer=True):
 
 
 __all__ = ["StepGraph", "MemoryModel", "Prediction", "Segmentation", "Problem", "model_of",
-           "check_unknown_dim_size", "Costs"]
+           "check_unknown_dim_size", "Costs", "MemoryCalibration"]

@@ -15,7 +15,7 @@ import tensorflow as tf
 from memsave.environment import Environment
 from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.graph import loops as graph_loops
-from memsave.planner import costs, custom_gradients, opinfo
+from memsave.planner import costs, custom_gradients, opinfo, xla_buffers
 from memsave.planner.loops import list_bytes, loop_memory, recomputed
 from memsave.region import estimated_bytes
 
@@ -84,6 +84,8 @@ class StepGraph:
         (never recomputed as an op: TensorFlow's gradient keeps what its body's gradient
         reads from every iteration, the rewrite may differentiate a recomputing copy).
       loop_mode: the memsave.recompute_loops mode the step was built under.
+      xla_cpu: whether XLA programs run on a CPU (no GPU): a jit-compiled call's gradient
+        then holds the temporaries its program hides (memsave.planner.xla_buffers).
       forwarded: ids of the tensors whose alias_of is an input whose buffer the kernel
         writes into (opinfo.FORWARDED_OUTPUTS): shared only where that input is made in
         the same pass, not a checkpoint read from the forward pass.
@@ -120,6 +122,7 @@ class StepGraph:
         self.loop_mode = "auto"
         self.forwarded = set()
         self.gradient_into = {}
+        self.xla_cpu = False
         self.costs = costs.active()
 
     @classmethod
@@ -142,6 +145,7 @@ class StepGraph:
         step.unknown_dim_size = unknown_dim_size
         step.loop_mode = environment.recompute_loops
         step.conv_threads = environment.conv_threads
+        step.xla_cpu = environment.kernels is not None  # (no GPU: XLA compiles for the CPU)
         ops = _forward_ops_in_order(region.ys)
         kept = {op for op, _ in region.kept_ops}
         for op in ops:
@@ -330,6 +334,8 @@ class StepGraph:
         elif outs and len(ins) == len(op.inputs):
             self.grad_temporaries[index] = opinfo.gradient_temporaries(
                 op.type, [self.size[t] for t in ins], self.size[outs[0]], differentiated)
+        if self.xla_cpu:
+            self.grad_temporaries[index] += xla_buffers.gradient_temporary_bytes(op)
         if self.conv_threads:
             for_filter, for_input = opinfo.conv_gradient_workspace(
                 op, differentiated, self.conv_threads)

@@ -597,6 +597,8 @@ class MemoryModel:
             return f"forward pass, at {name}"
         if phase == "final":
             return f"gradients through ops that are not recomputed, at {name}"
+        if phase == "kept" and op in self._recomputed_loops:
+            return f"gradient of {name}'s recomputing copy"
         if phase == "kept":
             return f"gradient of {name}, which is not recomputed"
         if phase == "deferred":

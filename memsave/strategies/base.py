@@ -34,12 +34,15 @@ class Selection:
         the segment after it.
       order_backward: whether each segment's large gradient ops run one after another.
       plain: why plain tf.gradients is the better plan (with no choices).
+      calibrated: the scale between the model's bytes and a measured step the strategy
+        planned with (memsave.planner.calibrated.Calibrated), or None.
     """
     choices: Sequence[Choice] = ()
     read_checkpoints: Optional[bool] = None
     recompute_ahead: Optional[bool] = None
     order_backward: bool = False
     plain: Optional[str] = None
+    calibrated: Optional[object] = None
 
 
 def selection_of(result):

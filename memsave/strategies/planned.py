@@ -14,6 +14,7 @@ from memsave import offload as offload_lib
 from memsave import planner
 from memsave.errors import MemsaveError
 from memsave.planner import search
+from memsave.planner.calibrated import MemoryCalibration
 from memsave.strategies.base import Choice, Selection
 from memsave.strategies.speed import EXPENSIVE_OP_TYPES
 
@@ -83,14 +84,23 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         recomputed; the plan offloads those whose transfer costs less than the
         recomputation keeping them saves (Offload.flops_per_byte). The call's own
         `offload=` works the same way (give it in one place, or the same in both).
+      calibration: a memsave.calibrate_memory measurement of this step, or None. With
+        one, a fraction is of tf.gradients' *measured* peak, and each plan's predicted
+        peak is scaled to the measurement (memsave.calibration.Calibrated) before it is
+        compared with the limit; the report says so (`memory_calibration`).
     Raises:
-      MemsaveError: for a bad limit or offload (here), and, when the gradients are
-        built, for a limit that no plan meets (naming the smallest reachable peak).
+      MemsaveError: for a bad limit, offload or calibration (here), and, when the
+        gradients are built, for a limit that no plan meets (naming the smallest
+        reachable peak) or a calibration of another step.
     """
 
-    def __init__(self, limit, unknown_dim_size=None, offload=False):
+    def __init__(self, limit, unknown_dim_size=None, offload=False, calibration=None):
         self.unknown_dim_size = planner.check_unknown_dim_size(unknown_dim_size)
         self.offload = offload_lib.normalise(offload)
+        if calibration is not None and not isinstance(calibration, MemoryCalibration):
+            raise MemsaveError(f"budget's calibration is a {type(calibration).__name__}; pass "
+                               "what memsave.calibrate_memory(step, ...) returns, or None")
+        self.calibration = calibration
         if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
             raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int, e.g. 512 * 2**20) "
                                "or a fraction in (0, 1] of tf.gradients' peak (e.g. 0.5)")
@@ -107,41 +117,61 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         offload = f", offload={self.offload!r}" if self.offload else ""
         return f"memsave.budget({self.limit!r}{offload})"
 
-    def limit_bytes(self, model):
-        if isinstance(self.limit, float):
-            return int(self.limit * model.baseline(allocator=True).device_peak_bytes)
-        return self.limit
+    def limit_bytes(self, model, calibrated=None):
+        """The limit in bytes: a fraction is of tf.gradients' predicted peak, or with a
+        calibration (`calibrated`: memsave.calibration.Calibrated) of its measured one."""
+        if not isinstance(self.limit, float):
+            return self.limit
+        if calibrated is not None:
+            return int(self.limit * calibrated.calibration.peak_bytes)
+        return int(self.limit * model.baseline(allocator=True).device_peak_bytes)
 
     def __call__(self, problem):
         # (problem.unknown_dim_size is this budget's, where it gives one: the call's
         # pipeline reads it before the memory model is built.)
         model = problem.model
-        limit = self.limit_bytes(model)
-        baseline = model.baseline(allocator=True).device_peak_bytes
-        if baseline <= limit:
-            return Selection(plain=f"tf.gradients' predicted peak {_mb(baseline)} "
-                                   f"fits the budget of {_mb(limit)}: nothing to recompute")
+        baseline = model.baseline(allocator=True)
+        calibrated = None
+        if self.calibration is not None:
+            self.calibration.check_measures(problem.region.ys[0].graph)
+            calibrated = self.calibration.calibrated(baseline.device_peak_bytes,
+                                                     baseline.resident_bytes)
+        shown = calibrated.measured if calibrated is not None else (lambda n: n)
+        limit = self.limit_bytes(model, calibrated)
+        model_limit = calibrated.model(limit) if calibrated is not None else limit
+        # (tf.gradients' peak as measured where there is a measurement, else as predicted.)
+        tf_peak, tf_kind = ((calibrated.calibration.peak_bytes, "measured") if calibrated
+                            else (baseline.device_peak_bytes, "predicted"))
+        if tf_peak <= limit:
+            return Selection(plain=f"tf.gradients' {tf_kind} peak {_mb(tf_peak)} fits the "
+                                   f"budget of {_mb(limit)}: nothing to recompute",
+                             calibrated=calibrated)
         offloadable = _offloadable(model, problem)
         environment = problem.environment
         best = search.within_budget(
-            model, limit, _expensive_outputs(model.graph), offloadable=offloadable,
+            model, model_limit, _expensive_outputs(model.graph), offloadable=offloadable,
             read_checkpoints=(True, False) if environment.may_read_checkpoints else (False,))
         if best is None:
             reachable = search.lowest_reachable_peak(model, offloadable)
-            reachable = baseline if reachable is None else reachable
+            reachable = shown(baseline.device_peak_bytes if reachable is None else reachable)
             hint = "" if offloadable else " or use checkpoints='memory'"
             raise MemsaveError(
-                f"the budget of {_mb(limit)} cannot be met: the smallest predicted peak memsave "
-                f"can reach on this graph{' with offload' if offloadable else ''} is "
-                f"{_mb(reachable)} (tf.gradients: {_mb(baseline)}); raise the budget "
-                f"to at least {_mb(reachable)}{hint}")
+                f"the budget of {_mb(limit)} cannot be met: the smallest {_peak_kind(calibrated)} "
+                f"peak memsave can reach on this graph{' with offload' if offloadable else ''} "
+                f"is {_mb(reachable)} (tf.gradients {tf_kind}: {_mb(tf_peak)}); raise the "
+                f"budget to at least {_mb(reachable)}{hint}")
         prediction, plan, offloaded = best
-        prediction = _ahead_if_it_fits(model, environment, prediction, plan, offloaded, limit)
-        choices = _choices(model, plan, f"within budget {_mb(limit)} (predicted peak "
-                                        f"{_mb(prediction.device_peak_bytes)})",
+        prediction = _ahead_if_it_fits(model, environment, prediction, plan, offloaded,
+                                       model_limit)
+        choices = _choices(model, plan, f"within budget {_mb(limit)} ({_peak_kind(calibrated)} "
+                                        f"peak {_mb(shown(prediction.device_peak_bytes))})",
                            offloaded if offloadable else None)
         return Selection(choices, read_checkpoints=prediction.reads_checkpoints,
-                         recompute_ahead=prediction.recomputes_ahead)
+                         recompute_ahead=prediction.recomputes_ahead, calibrated=calibrated)
+
+
+def _peak_kind(calibrated):
+    return "predicted" if calibrated is None else "calibrated"
 
 
 def _ahead_if_it_fits(model, environment, prediction, plan, offloaded, limit):

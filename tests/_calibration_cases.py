@@ -1,0 +1,93 @@
+"""Steps that memsave.calibrate_memory measures, each in its own process.
+
+Run through memsave.measure.run_isolated("_calibration_cases:<name>", ...) (the CPU
+BFC allocator on). Each returns the calibration, the budget's plan and the measured
+peak of the step memsave built, and how far its gradients are from tf.gradients'.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import memsave
+from memsave.measure import peak_memory_bytes
+
+from _models import tanh_mlp_loss
+
+MIB = 2 ** 20
+
+
+def _largest_relative_error(got, expected):
+    return max(float(np.max(np.abs(g - e)) / max(np.max(np.abs(e)), 1e-300))
+               for g, e in zip(got, expected))
+
+
+def _report_fields(report):
+    return {"calibrated_mb": (report.calibrated_peak_bytes or 0) / MIB,
+            "measured_baseline_mb": (report.measured_baseline_peak_bytes or 0) / MIB,
+            "memory_calibration": report.memory_calibration,
+            "unknown_dim_size": report.unknown_dim_size, "fallback": report.fallback,
+            "checkpoints": len(report.checkpoints), "summary": report.summary()}
+
+
+def v1_unknown_batch(calibrated, fraction, layers=16, width=256, batch=2048):
+    """A tanh MLP in a tf.compat.v1 graph fed through a [None, width] placeholder (the
+    model counts the batch as 1 unless told), float64, under a byte budget of `fraction`
+    of tf.gradients' measured peak; `calibrated`: whether the budget has the calibration."""
+    tf.compat.v1.disable_eager_execution()
+    rng = np.random.default_rng(0)
+    x = tf.compat.v1.placeholder(tf.float64, [None, width])
+    weights = [tf.Variable(rng.standard_normal([width, width]) / np.sqrt(width))
+               for _ in range(layers)]
+    loss = tanh_mlp_loss(x, weights)
+    plain = tf.gradients(loss, weights)
+    sess = tf.compat.v1.Session()
+    sess.run(tf.compat.v1.global_variables_initializer())
+    feed = {x: rng.standard_normal([batch, width])}
+    calibration = memsave.calibrate_memory(lambda: sess.run(plain, feed))
+    limit = int(fraction * calibration.peak_bytes)
+    grads = memsave.gradients(loss, weights, checkpoints=memsave.budget(
+        limit, calibration=calibration if calibrated else None))
+    report = memsave.last_report()
+    sess.run(grads, feed)
+    peak, got = peak_memory_bytes(lambda: sess.run(grads, feed))
+    return dict(_report_fields(report), peak_mb=peak / MIB, limit_mb=limit / MIB,
+                calibration_mb=calibration.peak_bytes / MIB,
+                predicted_mb=report.predicted_peak_bytes / MIB,
+                largest_at_peak=[a.op for a in calibration.at_peak[:3]],
+                error=_largest_relative_error(got, sess.run(plain, feed)))
+
+
+def function_step(fraction, layers=16, width=256, batch=2048):
+    """The same MLP as a tf.function whose memsave.budget reads the calibration from a
+    holder: calibrated first (memsave answers with tf.gradients in a fresh trace), then
+    run with it. Also says how many traces the step had after the calibration (0: the
+    calibration left its traces alone)."""
+    rng = np.random.default_rng(0)
+    weights = [tf.Variable(rng.standard_normal([width, width]) / np.sqrt(width))
+               for _ in range(layers)]
+    holder = {}
+
+    def loss_of(x):
+        return tanh_mlp_loss(x, weights)
+
+    @tf.function
+    def step(x):
+        budget = memsave.budget(fraction, calibration=holder.get("calibration"))
+        return memsave.gradients(loss_of(x), weights, checkpoints=budget)
+
+    @tf.function
+    def plain(x):
+        return tf.gradients(loss_of(x), weights)
+
+    x = tf.constant(rng.standard_normal([batch, width]))
+    holder["calibration"] = memsave.calibrate_memory(step, x)
+    traces = step.experimental_get_tracing_count()
+    step(x)
+    report = memsave.last_report()
+    peak, got = peak_memory_bytes(lambda: [g.numpy() for g in step(x)])
+    calibration = holder["calibration"]
+    return dict(_report_fields(report), traces_after_calibration=traces,
+                peak_mb=peak / MIB, limit_mb=fraction * calibration.peak_bytes / MIB,
+                calibration_mb=calibration.peak_bytes / MIB,
+                error=_largest_relative_error(got,
+                                              [g.numpy() for g in plain(x)]))
