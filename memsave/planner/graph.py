@@ -33,6 +33,11 @@ SMALL_FRACTION = 1024
 
 
 
+# Ops whose gradient is their output's gradient, converted (memsave's deferral follows a
+# weight's gradient through them to the op that makes it: StepGraph._held_if_deferred).
+_CONVERTING_TYPES = frozenset(["Cast"]) | opinfo.ALIAS_OP_TYPES
+
+
 class StepGraph:
     """The forward pass of one gradients call, compiled to integer lists.
 
@@ -362,9 +367,7 @@ class StepGraph:
         for op, pairs in enumerate(self.grad_inputs):
             if self.kind[op] != REGION:
                 continue
-            held = sum(self.size[self.buffer_of(t)] for t in self.grad_reads[op]
-                       if self.kind[self.producer[self.buffer_of(t)]] != RESIDENT)
-            held += sum(self.size[t] for t in self.outputs[op])
+            held = self._held_if_deferred(op)
             sparse = opinfo.SPARSE_GRADIENT_INPUTS.get(self.ops[op].type, ())
             for tid, nbytes in pairs:
                 dense = all(self.inputs[op][i] != tid for i in sparse
@@ -380,6 +383,25 @@ class StepGraph:
                 self.deferred_tensors.add(tid)
                 for op, nbytes in found:
                     self.deferred.setdefault(op, []).append((tid, nbytes))
+
+    def _held_if_deferred(self, op, made_from=()):
+        """Bytes held to the end of the backward pass where op `op`'s gradient of a weight
+        is made after the last segment: the non-resident tensors that gradient reads, and
+        its outputs' gradients (one per output, of its size). Where `op` converts what it
+        reads (a Cast, an identity: mixed precision reads a float32 weight through a Cast
+        to bfloat16), its gradient is made from its readers' gradients, and the rewrite
+        defers what makes those too (a convolution's filter gradient, reading the
+        convolution's input and output gradient): what they hold counts instead, but for
+        the converted weight itself (`made_from`), which no filter gradient reads."""
+        outputs = self.outputs[op]
+        readers = sorted({c for t in outputs for c in self.consumers[t]})
+        if (self.ops[op].type in _CONVERTING_TYPES and readers
+                and all(self.kind[c] == REGION for c in readers)):
+            return sum(self._held_if_deferred(c, outputs) for c in readers)
+        held = sum(self.size[self.buffer_of(t)] for t in self.grad_reads[op]
+                   if t not in made_from
+                   and self.kind[self.producer[self.buffer_of(t)]] != RESIDENT)
+        return held + sum(self.size[t] for t in outputs)
 
     def _leaves_graph(self, tid):
         """Whether the gradient of `tid` is read by nothing but the step's result: `tid`
