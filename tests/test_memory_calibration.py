@@ -100,6 +100,11 @@ def test_buffers_no_op_made_are_added_to_every_prediction_not_scaled():
     assert calibrated.measured(40 * MIB) == 90 * MIB
     assert calibrated.model(90 * MIB) == 40 * MIB
     assert "50.0 MiB no op made" in calibrated.describe()
+    # A model that counts them already (memsave.planner.xla_buffers) gets none added.
+    counted = Calibrated(calibration, 160 * MIB, 10 * MIB)
+    assert counted.unattributed == 0 and counted.scale == 1.0
+    assert counted.measured(110 * MIB) == 110 * MIB
+    assert "no op made" not in counted.describe()
 
 
 def test_the_calibration_gives_the_unknown_dimensions_the_measured_size():

@@ -5,9 +5,9 @@ Three corrections, each of what one measured run of tf.gradients' step can tell:
 - sizes: the dimensions the graph leaves unknown (a [None, ...] placeholder's batch,
   which the model otherwise counts as 1) take the size the measured buffers had;
 - buffers no op made: what was alive at the peak without an op's name (an XLA program's
-  preallocated temporary: a jit-compiled call of Keras' grouped convolution's gradient
-  holds 220 MiB, which the model, seeing a call, cannot know) is taken to run in every
-  plan's step too, and is added to each prediction;
+  preallocated temporary, which the model sees only where it knows the program's habit:
+  memsave.planner.xla_buffers) is taken to run in every plan's step too, and is added to
+  each prediction, as far as the model's prediction of tf.gradients' step falls short;
 - scale: where the model predicts the rest of tf.gradients' step *below* the
   measurement, what it misses (kernels' buffers it does not know) is taken to be in
   every plan's step too, and the step's own bytes, above what is in use before it,
@@ -134,7 +134,8 @@ class Calibrated:
     Attributes:
       extra: what was in use before the measured step beyond what the model holds
         resident (optimizer slots, another model's weights), added to every prediction.
-      unattributed: the bytes alive at the measured peak that no op made, added too.
+      unattributed: the bytes alive at the measured peak that no op made, added too, as
+        far as the model's prediction of tf.gradients' step falls short of the peak.
       scale: what the step's own bytes (above the model's resident ones) scale by:
         measured / predicted for plain tf.gradients, less the two above, where above 1.
     """
@@ -143,7 +144,10 @@ class Calibrated:
         self.calibration = calibration
         self.resident = model_resident_bytes
         self.extra = max(0, calibration.before_bytes - model_resident_bytes)
-        self.unattributed = calibration.unattributed_bytes
+        # (Only as much as the model's prediction of tf.gradients' step falls short: it
+        # may count some of those buffers already, memsave.planner.xla_buffers.)
+        shortfall = calibration.peak_bytes - self.extra - model_baseline_bytes
+        self.unattributed = min(calibration.unattributed_bytes, max(0, shortfall))
         measured_step = (calibration.peak_bytes - self.extra - self.unattributed
                          - model_resident_bytes)
         predicted_step = model_baseline_bytes - model_resident_bytes
