@@ -14,12 +14,13 @@ Both run TensorFlow, memsave's rewrite among it, so they sit above the planner.
 import os
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from memsave import rewrite
-from memsave.errors import MemsaveError
+from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.planner.calibrated import Allocation, MemoryCalibration
 from memsave.planner.costs import Costs
@@ -117,7 +118,8 @@ def calibrate_memory(step, *args, **kwargs):
     calls in it, and measures the allocator's peak and what was alive at it.
 
     The step runs twice: once to trace and warm up, once measured (the allocator's peak
-    statistics reset, the profiler recording which op made each buffer). A tf.function
+    statistics reset, the profiler recording which op made each buffer); what it does
+    to variables (an optimizer's update) it does twice. A tf.function
     is run as a fresh tf.function of the same Python function, so the step's own traces
     (which memsave's gradients build) are left as they are. For a tf.compat.v1 graph,
     pass a callable that runs the step's tf.gradients fetches in your session, built
@@ -130,34 +132,47 @@ def calibrate_memory(step, *args, **kwargs):
     Returns:
       A MemoryCalibration, for `memsave.budget(..., calibration=...)`.
     Raises:
-      MemsaveError: for a step that is not callable, or where the allocator keeps no
-        peak (on a CPU: TF_CPU_ALLOCATOR_USE_BFC=true must be set before TensorFlow is
-        imported).
+      MemsaveError: for a step that is not callable, a call while a graph is being built,
+        a memsave gradients call in a tf.function nested in the step (its trace would
+        stay answered by tf.gradients), or where the allocator keeps no peak (on a CPU:
+        TF_CPU_ALLOCATOR_USE_BFC=true must be set before TensorFlow is imported).
     """
     if not callable(step):
         raise MemsaveError(f"calibrate_memory's step is a {type(step).__name__}; pass the "
                            "callable that runs one training step (e.g. your tf.function)")
+    if tf.inside_function() or (not tf.executing_eagerly() and hasattr(step, "python_function")):
+        raise MemsaveError("calibrate_memory runs the step; call it eagerly, outside any "
+                           "tf.function or graph being built")
     from memsave import measure
     device = measure.memory_device()
     _check_allocator_keeps_peaks(device)
-    step = _tf_private.fresh_function(step)
-    with rewrite.answered_by_tf_gradients():
-        step(*args, **kwargs)
+    traced = set()
+    run = _tf_private.fresh_function(step, traced)
+    # (A tf.function's calls are answered only in its fresh traces; another callable's,
+    # a tf.compat.v1 session run say, wherever they are.)
+    with rewrite.answered_by_tf_gradients(traced if run is not step else None):
+        run(*args, **kwargs)
         before = tf.config.experimental.get_memory_info(device)["current"]
         tf.config.experimental.reset_memory_stats(device)
         with tempfile.TemporaryDirectory(prefix="memsave_calibration_") as logdir:
             profiling = _start_profiler(logdir)
             try:
-                step(*args, **kwargs)
+                run(*args, **kwargs)
             finally:
                 if profiling:
                     tf.profiler.experimental.stop()
             peak = tf.config.experimental.get_memory_info(device)["peak"]
             _check_allocator_keeps_peaks(device, peak)
             profile = _tf_private.memory_profile(logdir) if profiling else None
+    if profile is None:
+        warnings.warn("memsave.calibrate_memory: TensorFlow's profiler recorded nothing (another "
+                      "profile being taken?): the peak is measured, but not what was alive at "
+                      "it, so unknown dimensions and buffers no op made are not corrected",
+                      MemsaveWarning, stacklevel=2)
     at_peak, ops, shapes = _records(profile, peak)
     return MemoryCalibration(peak_bytes=int(peak), before_bytes=int(before), device=device,
-                             at_peak=at_peak, ops=ops, shapes=shapes)
+                             at_peak=at_peak, ops=ops, shapes=shapes,
+                             profiled=profile is not None)
 
 
 def _check_allocator_keeps_peaks(device, peak=None):
@@ -195,8 +210,12 @@ def _records(profile, peak):
     at_peak = []
     for active in chosen.get("activeAllocations", []):
         index, special_index = int(active["snapshotIndex"]), int(active["specialIndex"])
-        record = (snapshots[index]["activityMetadata"] if index >= 0
-                  else special[special_index])
+        if 0 <= index < len(snapshots):
+            record = snapshots[index]["activityMetadata"]
+        elif 0 <= special_index < len(special):
+            record = special[special_index]
+        else:  # (its snapshot was dropped: the converter keeps at most 1000)
+            continue
         if " " in record.get("tfOpName", " "):  # ("unused preallocated device memory")
             continue
         at_peak.extend([Allocation(record["tfOpName"], record.get("regionType", ""),

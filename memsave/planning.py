@@ -127,11 +127,15 @@ class Plan:
                    for op, memory in sorted(graph.loops.items())])
         for info in report.checkpoints:
             info.offloaded = info.name in self.offloaded
-        peak = (prediction or baseline).device_peak_bytes
         if self.calibrated is not None:
+            measured = self.calibrated.calibration.peak_bytes
             report.memory_calibration = self.calibrated.describe()
-            report.measured_baseline_peak_bytes = self.calibrated.calibration.peak_bytes
-            report.calibrated_peak_bytes = self.calibrated.measured(peak)
+            report.measured_baseline_peak_bytes = measured
+            report.unknown_dim_size_measured = self.calibrated.dims_measured
+            # (Where plain tf.gradients answers, its peak is the one measured.)
+            report.calibrated_peak_bytes = (measured if prediction is None
+                                            else self.calibrated.measured(
+                                                prediction.device_peak_bytes))
         if prediction is None:
             report.predicted_peak_bytes = baseline.device_peak_bytes
             report.predicted_live_bytes = baseline.peak_bytes

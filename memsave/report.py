@@ -89,8 +89,9 @@ class RewriteReport:
     and why. `memory_calibration` says which peaks a budget compared with its limit:
     None for the memory model's, else the measurement (memsave.calibrate_memory) and the
     scale applied to the model's predictions; `measured_baseline_peak_bytes` is then
-    tf.gradients' measured peak, and `calibrated_peak_bytes` this plan's predicted peak
-    so scaled.
+    tf.gradients' measured peak, `calibrated_peak_bytes` this plan's predicted peak so
+    scaled (the measured one where plain tf.gradients answers), and
+    `unknown_dim_size_measured` whether `unknown_dim_size` came from the measurement.
     """
     strategy: str
     region_ops: int
@@ -123,6 +124,7 @@ class RewriteReport:
     memory_calibration: Optional[str] = None
     measured_baseline_peak_bytes: Optional[int] = None
     calibrated_peak_bytes: Optional[int] = None
+    unknown_dim_size_measured: bool = False
 
     @property
     def kept_bytes(self):
@@ -196,7 +198,7 @@ class RewriteReport:
         if self.memory_calibration is not None:
             text += (f"; calibrated: {_mb(self.calibrated_peak_bytes)} vs tf.gradients' measured "
                      f"{_mb(self.measured_baseline_peak_bytes)} ({self.memory_calibration})")
-        if self.unknown_dims and self.memory_calibration is not None:
+        if self.unknown_dims and self.unknown_dim_size_measured:
             text += (f" ({self.unknown_dims} tensors have unknown dimensions, counted as "
                      f"{self.unknown_dim_size}, as measured)")
         elif self.unknown_dims:

@@ -77,12 +77,19 @@ def _switched(name, value):
 
 
 @contextlib.contextmanager
-def answered_by_tf_gradients():
+def answered_by_tf_gradients(graphs=None):
     """Within this context, plain tf.gradients answers memsave's gradient calls (after
-    their arguments are checked): what memsave.calibrate_memory measures. Restores the
-    previous setting on exit."""
-    with _switched("plain", True):
+    their arguments are checked): what memsave.calibrate_memory measures. `graphs`: a
+    set (filled as they are traced) of the graphs whose calls it answers; a call in
+    any other graph (a nested tf.function, whose trace would be kept answered so) is
+    refused. None: calls in any graph. Restores the previous setting on exit."""
+    with _switched("plain", _AnyGraph() if graphs is None else graphs):
         yield
+
+
+class _AnyGraph:
+    def __contains__(self, graph):
+        return True
 
 
 LOOP_MODES = ("auto", "always", "never")
@@ -189,7 +196,14 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
     if _tf_private.a_tape_is_recording():
         return _plain_gradients(_plain_report(strategy_name, _TAPE_RECORDING), explicit,
                                 ys, xs, grad_ys, options)
-    if getattr(_switches, "plain", None):
+    answered = getattr(_switches, "plain", None)
+    if answered is not None:
+        if call.graph not in answered:
+            raise MemsaveError(
+                f"memsave.calibrate_memory met a gradients call in {call.graph.name!r}, not in "
+                "the step's own trace (a tf.function nested in the step?), whose trace would "
+                "stay answered by tf.gradients; calibrate a tf.function whose own body "
+                "calls memsave")
         return _plain_gradients(_plain_report(strategy_name, _CALIBRATING), False,
                                 ys, xs, grad_ys, options)
     options.stop = TensorSet(call.stop)

@@ -91,3 +91,24 @@ def function_step(fraction, layers=16, width=256, batch=2048):
                 calibration_mb=calibration.peak_bytes / MIB,
                 error=_largest_relative_error(got,
                                               [g.numpy() for g in plain(x)]))
+
+
+def nested_function_step():
+    """A tf.function step whose memsave call sits in a nested tf.function: calibrating it
+    must refuse (the nested function's trace would stay answered by tf.gradients) and
+    leave the nested function's traces as they were."""
+    weights = [tf.Variable(tf.ones([8, 8]))]
+
+    @tf.function
+    def inner(x):
+        return memsave.gradients(tanh_mlp_loss(x, weights), weights, checkpoints="memory")
+
+    @tf.function
+    def step(x):
+        return inner(x)
+
+    try:
+        memsave.calibrate_memory(step, tf.ones([4, 8]))
+    except Exception as error:  # (AutoGraph passes it on as a StagingError, message kept)
+        return {"error": str(error), "inner_traces": inner.experimental_get_tracing_count()}
+    return {"error": None, "inner_traces": inner.experimental_get_tracing_count()}

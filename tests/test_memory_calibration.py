@@ -65,6 +65,45 @@ def test_a_tf_function_is_calibrated_in_a_fresh_trace_and_then_planned_with_it()
     assert got["peak_mb"] < 0.9 * got["calibration_mb"], got
 
 
+def test_a_memsave_call_in_a_nested_tf_function_is_refused_not_left_answered_plainly():
+    got = _measure("nested_function_step")
+    assert "not in the step's own trace" in got["error"]
+    assert got["inner_traces"] == 0  # (a failed trace is not kept)
+
+
+def test_calibrating_while_a_function_is_traced_is_refused():
+    @tf.function
+    def outer():
+        memsave.calibrate_memory(lambda: None)
+        return 0
+
+    # (AutoGraph passes a MemsaveError raised in converted code on as a StagingError.)
+    with pytest.raises(Exception, match="memsave: calibrate_memory runs the step; call it "
+                                        "eagerly"):
+        outer()
+
+
+def test_allocations_whose_records_the_profiler_dropped_are_skipped():
+    from memsave.calibration import _records
+
+    def made(op, nbytes):
+        return {"activityMetadata": {"tfOpName": op, "allocationBytes": str(nbytes),
+                                     "regionType": "output", "tensorShape": "[4]"}}
+
+    profile = {"memoryProfilePerAllocator": {"cpu": {
+        "profileSummary": {"peakStats": {"peakBytesInUse": "300"}},
+        "memoryProfileSnapshots": [made("a", 100), made("b", 200)],
+        "specialAllocations": [{"tfOpName": "", "allocationBytes": "50"}],
+        "activeAllocations": [{"snapshotIndex": "1", "specialIndex": "-1"},
+                              {"snapshotIndex": "-1", "specialIndex": "0"},
+                              {"snapshotIndex": "-1", "specialIndex": "-1"},
+                              {"snapshotIndex": "7", "specialIndex": "-1"}]}}}
+    at_peak, ops, shapes = _records(profile, 300)
+    assert [(a.op, a.bytes) for a in at_peak] == [("b", 200), ("", 50)]
+    assert ops == {"a", "b"} and dict(shapes) == {"a": "[4]", "b": "[4]"}
+    assert _records(None, 300) == ((), frozenset(), ())
+
+
 def _calibration(peak, before, **kwargs):
     return MemoryCalibration(peak_bytes=peak * MIB, before_bytes=before * MIB, device="CPU:0",
                              **kwargs)

@@ -357,13 +357,21 @@ def memory_profile(logdir):
     return json.loads(data) if ok and data else None
 
 
-def fresh_function(step):
-    """A new tf.function of `step`'s Python function, compiled as `step` is (XLA or not),
-    with none of its traces; `step` itself where it is not a tf.function."""
+def fresh_function(step, traced_graphs):
+    """A new tf.function of `step`'s Python function with `step`'s options (XLA,
+    AutoGraph, input signature) and none of its traces, which adds the graph of each
+    trace it makes to the set `traced_graphs`; `step` itself where it is not a
+    tf.function."""
     import tensorflow as tf
-    if not hasattr(step, "python_function"):
+    if not hasattr(step, "python_function") or not hasattr(step, "_clone"):
         return step
-    return tf.function(step.python_function, jit_compile=getattr(step, "_jit_compile", None))
+    python_function = step.python_function
+
+    def traced(*args, **kwargs):
+        traced_graphs.add(tf.compat.v1.get_default_graph())
+        return python_function(*args, **kwargs)
+
+    return step._clone(traced)
 
 
 def called_function_graph(call):

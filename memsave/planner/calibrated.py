@@ -52,9 +52,10 @@ class MemoryCalibration:
       device: the device whose allocator was read ("CPU:0", "GPU:0").
       at_peak: Allocations alive at the peak.
       ops: names of the ops that allocated during the step (to tell whether a graph is
-        the one measured).
-      shapes: (op name, the shape of a buffer it allocated, as the profiler writes it:
-        "[1024,512]") pairs, one per op.
+        the one measured), as far as the profiler's records go (it keeps 1000).
+      shapes: (op name, the shape of the first buffer it allocated, as the profiler
+        writes it: "[1024,512]") pairs, one per op of `ops`.
+      profiled: whether the profiler's records were read (else only the peaks are known).
     """
     peak_bytes: int
     before_bytes: int
@@ -62,6 +63,7 @@ class MemoryCalibration:
     at_peak: Tuple[Allocation, ...] = ()
     ops: frozenset = frozenset()
     shapes: Tuple[Tuple[str, str], ...] = ()
+    profiled: bool = True
 
     def __str__(self):
         unnamed = (f", {self.unattributed_bytes / 2**20:.1f} MiB at the peak made by no op"
@@ -75,17 +77,18 @@ class MemoryCalibration:
         """Bytes alive at the peak that no op of the graph made (XLA programs' temporaries)."""
         return sum(a.bytes for a in self.at_peak if not a.op)
 
-    def calibrated(self, model_baseline_bytes, model_resident_bytes):
+    def calibrated(self, model_baseline_bytes, model_resident_bytes, dims_measured=False):
         """The Calibrated scale between the memory model of a step (its predicted peak of
-        tf.gradients and the bytes it holds resident) and this measurement."""
-        return Calibrated(self, model_baseline_bytes, model_resident_bytes)
+        tf.gradients and the bytes it holds resident) and this measurement;
+        `dims_measured`: whether the model took its unknown dimensions' size from it."""
+        return Calibrated(self, model_baseline_bytes, model_resident_bytes, dims_measured)
 
     def check_measures(self, graph):
         """Raises MemsaveError unless this calibration measured a step of `graph` (a
         tf.Graph or FuncGraph): most of the forward ops that allocated during it must be
         ops of `graph`, or run inside one (the profiler names an op of a loop's body
         'loop/body/_1/add'). Skipped where the profile named no ops."""
-        forward = sorted(name for name in self.ops if not _made_by_gradients(name))
+        forward = sorted(name for name in self.ops if name and not _made_by_gradients(name))
         if not forward:
             return
         missing = [name for name in forward if not _names_an_op_of(graph, name)]
@@ -132,6 +135,7 @@ class Calibrated:
     docstring).
 
     Attributes:
+      dims_measured: whether the model's unknown dimensions took their measured size.
       extra: what was in use before the measured step beyond what the model holds
         resident (optimizer slots, another model's weights), added to every prediction.
       unattributed: the bytes alive at the measured peak that no op made, added too, as
@@ -140,8 +144,10 @@ class Calibrated:
         measured / predicted for plain tf.gradients, less the two above, where above 1.
     """
 
-    def __init__(self, calibration, model_baseline_bytes, model_resident_bytes):
+    def __init__(self, calibration, model_baseline_bytes, model_resident_bytes,
+                 dims_measured=False):
         self.calibration = calibration
+        self.dims_measured = dims_measured
         self.resident = model_resident_bytes
         self.extra = max(0, calibration.before_bytes - model_resident_bytes)
         # (Only as much as the model's prediction of tf.gradients' step falls short: it

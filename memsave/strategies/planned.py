@@ -86,7 +86,7 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         `offload=` works the same way (give it in one place, or the same in both).
       calibration: a memsave.calibrate_memory measurement of this step, or None. With
         one, a fraction is of tf.gradients' *measured* peak, and each plan's predicted
-        peak is scaled to the measurement (memsave.calibration.Calibrated) before it is
+        peak is scaled to the measurement (memsave.planner.calibrated.Calibrated) before it is
         compared with the limit; the report says so (`memory_calibration`).
     Raises:
       MemsaveError: for a bad limit, offload or calibration (here), and, when the
@@ -119,7 +119,7 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
 
     def limit_bytes(self, model, calibrated=None):
         """The limit in bytes: a fraction is of tf.gradients' predicted peak, or with a
-        calibration (`calibrated`: memsave.calibration.Calibrated) of its measured one."""
+        calibration (`calibrated`: memsave.planner.calibrated.Calibrated) of its measured one."""
         if not isinstance(self.limit, float):
             return self.limit
         if calibrated is not None:
@@ -129,15 +129,24 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
     def __call__(self, problem):
         # (problem.unknown_dim_size is this budget's, where it gives one: the call's
         # pipeline reads it before the memory model is built.)
+        graph = problem.region.ys[0].graph
+        if self.calibration is not None:
+            self.calibration.check_measures(graph)
         model = problem.model
         baseline = model.baseline(allocator=True)
         calibrated = None
         if self.calibration is not None:
-            self.calibration.check_measures(problem.region.ys[0].graph)
+            dims_measured = (self.unknown_dim_size is None and bool(model.graph.unknown_dims)
+                             and self.calibration.unknown_dim_size(graph)
+                             == model.graph.unknown_dim_size)
             calibrated = self.calibration.calibrated(baseline.device_peak_bytes,
-                                                     baseline.resident_bytes)
+                                                     baseline.resident_bytes, dims_measured)
         shown = calibrated.measured if calibrated is not None else (lambda n: n)
         limit = self.limit_bytes(model, calibrated)
+        if calibrated is not None and limit <= self.calibration.before_bytes:
+            raise MemsaveError(
+                f"the budget of {_mb(limit)} is below the {_mb(self.calibration.before_bytes)} "
+                "in use before the measured step (weights, inputs, optimizer slots); raise it")
         model_limit = calibrated.model(limit) if calibrated is not None else limit
         # (tf.gradients' peak as measured where there is a measurement, else as predicted.)
         tf_peak, tf_kind = ((calibrated.calibration.peak_bytes, "measured") if calibrated
