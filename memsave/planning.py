@@ -186,6 +186,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
             strategy_name, region), warn=explicit and selection.plain is None, **common)
     offloaded = _offloaded(kept, problem)
     graph = model.graph
+    serializes_conv_gradients = (environment.conv_threads > 0
+                                 and any(op.type == "Conv2D" for op in region.ops))
     ids = [graph.id_of(c.tensor) for c in kept]
     offloaded_ids = [graph.id_of(c.tensor) for c in kept if c.tensor.name in offloaded]
     prediction = _final_prediction(model, environment, selection, ids, offloaded_ids,
@@ -200,9 +202,9 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         # point from a filter gradient to the input gradient made before it, and a chain
         # in the order of making would close a cycle.
         orders_backward=(selection.order_backward and not environment.under_xla
-                         and not environment.conv_threads),
+                         and not serializes_conv_gradients),
         large_bytes=graph.largest_bytes // _LARGE_FRACTION,
-        serializes_conv_gradients=environment.conv_threads > 0,
+        serializes_conv_gradients=serializes_conv_gradients,
         forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints),
         deferred=frozenset(graph.deferred_tensors),
         recomputed_loops=frozenset(graph.ops[op] for op in graph.recomputed_loops()))
