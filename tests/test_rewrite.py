@@ -433,13 +433,33 @@ def test_plan_predicts_the_segments_and_the_copies_the_rewrite_runs(checkpoints)
         planned.summary())
 
 
-def test_memory_runs_each_segments_large_gradient_ops_one_after_another():
+@pytest.mark.parametrize("model,ordered", [(_models.deep_mlp, True), (_models.small_cnn, False)])
+def test_tensorflows_own_kernels_order_the_backward_pass_where_no_convolution_is_copied(
+        model, ordered, monkeypatch):
+    """With TensorFlow's own CPU kernels (oneDNN off, as on CPUs without AVX-512) each
+    copied convolution's input gradient waits for its filter gradient, and a chain of
+    the large gradient ops in the order they were made could close a cycle with those
+    edges: 'memory' orders the backward pass only where no Conv2D is copied."""
+    monkeypatch.setattr(_tf_private, "onednn_enabled", lambda: False)
+    _models.reset_variables()
+    with tf.Graph().as_default():
+        ys, xs, _ = model()
+        with memsave.always_rewrite():
+            memsave.gradients(ys, xs, checkpoints="memory")
+        assert memsave.last_report().orders_backward == ordered
+
+
+def test_memory_runs_each_segments_large_gradient_ops_one_after_another(monkeypatch):
     """'memory' makes each large gradient op of a segment wait for the one tf.gradients
     made before it (report.orders_backward): an executor running two side by side holds
     both where the model holds one (MobileNetV2's 'memory' peak moved between 79 and 115
     MB with one plan). A list of the same checkpoints adds no such waits; no op nothing
     needs gets a control output (TensorFlow would then run it: the mean side of a batch
-    norm's SquaredDifference gradient, a Neg); the gradients are tf.gradients'."""
+    norm's SquaredDifference gradient, a Neg); the gradients are tf.gradients'. (Planned
+    for oneDNN's kernels: with TensorFlow's own, a convolution's two gradients are
+    ordered pairwise instead, test_tensorflows_own_kernels_order_...)"""
+    monkeypatch.setattr(_tf_private, "onednn_enabled", lambda: True)
+
     def rewrite(checkpoints):
         _models.reset_variables()
         graph = tf.Graph()
