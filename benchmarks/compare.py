@@ -768,6 +768,18 @@ def predict_table(families=PREDICT_FAMILIES, strategies=(BASELINE, "memory"), st
     return rows
 
 
+def predict_families(wanted=None):
+    """The PREDICT_FAMILIES whose label contains one of `wanted` (case aside), all of
+    them where `wanted` is empty; a name no label contains raises ValueError."""
+    if not wanted:
+        return PREDICT_FAMILIES
+    unknown = [w for w in wanted if not any(w.lower() in f[0].lower() for f in PREDICT_FAMILIES)]
+    if unknown:
+        raise ValueError(f"no model family's label contains {unknown}; the families are "
+                         f"{[f[0] for f in PREDICT_FAMILIES]}")
+    return tuple(f for f in PREDICT_FAMILIES if any(w.lower() in f[0].lower() for w in wanted))
+
+
 def format_predict_table(rows, markdown=False):
     """The predictions as text (or Markdown): measured and predicted peak and their error."""
     cells = [[row["family"], row["strategy"]] + (
@@ -1015,6 +1027,9 @@ def main(argv=None):
                         help="the memory model's predicted peak against the measured one for "
                              "every model family (PREDICT_FAMILIES) and each of --strategies "
                              "(default tf.gradients,memory); no timings (one step each)")
+    parser.add_argument("--families", default=None,
+                        help="with --predict-table: comma-separated parts of the family labels "
+                             "to measure (e.g. 'cnn,lstm,resnet50'; default every family)")
     parser.add_argument("--build-time", action="store_true",
                         help="time memsave.gradients's rewrite vs tf.gradients on generated "
                              "graphs of ~1k, ~5k, ~20k ops (in this process)")
@@ -1029,7 +1044,8 @@ def main(argv=None):
 
     if args.predict_table:
         strategies = _parse_list(args.strategies) or [BASELINE, "memory"]
-        rows = predict_table(strategies=strategies, seed=args.seed, timeout=args.timeout)
+        rows = predict_table(families=predict_families(_parse_list(args.families)),
+                             strategies=strategies, seed=args.seed, timeout=args.timeout)
         device = next((row["device"] for row in rows if row.get("device")), "unknown device")
         title = f"Predicted against measured peaks; {device}; `{command}`"
         print(title)

@@ -190,16 +190,23 @@ def device_description():
     if gpus:
         details = tf.config.experimental.get_device_details(gpus[0])
         return f"GPU: {details.get('device_name', gpus[0].name)}"
-    model = platform.processor() or platform.machine()
+    from memsave.graph import _tf_private
+    model, flags = platform.processor() or platform.machine(), None
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("model name"):
                     model = line.split(":", 1)[1].strip()
-                    break
+                elif line.startswith("flags") and flags is None:
+                    flags = line.split(":", 1)[1].split()
     except OSError:
         pass
-    return f"CPU: {model}, {os.cpu_count()} cores"
+    # Two CPUs of one name may differ in what decides the peaks: TensorFlow turns its
+    # oneDNN kernels on by default only on some CPUs (among x86, only on CPUs with
+    # AVX-512 features), and TensorFlow's own kernels hold other buffers.
+    vector = "" if flags is None else (", AVX-512" if "avx512f" in flags else ", no AVX-512")
+    kernels = "oneDNN on" if _tf_private.onednn_enabled() else "oneDNN off"
+    return f"CPU: {model}, {os.cpu_count()} cores{vector}, {kernels}"
 
 
 def peak_memory_bytes(fn, device=None):

@@ -174,6 +174,21 @@ def test_predict_table_lists_measured_and_predicted_peaks():
                                                              "2 x Keras LSTM(256)"}
 
 
+def test_predict_families_picks_rows_by_part_of_their_label():
+    assert compare.predict_families() == compare.PREDICT_FAMILIES
+    assert [f[0] for f in compare.predict_families(["LSTM", "resnet50"])] == [
+        "Keras ResNet50 96 px", "Keras ResNet50 96 px, mixed_bfloat16", "2 x Keras LSTM(256)"]
+    with pytest.raises(ValueError, match=r"no model family's label contains \['vgg'\]"):
+        compare.predict_families(["vgg"])
+
+
+def test_device_description_names_the_kernels():
+    description = measure.device_description()
+    assert description.startswith(("CPU: ", "GPU: "))
+    if description.startswith("CPU: "):
+        assert description.endswith(("oneDNN on", "oneDNN off"))
+
+
 def _small_compare(capsys, *flags):
     """compare.py on a 4-layer MLP, tf.gradients and 'memory', with `flags`; its output."""
     code = compare.main(["--model", "mlp", "--depth", "4", "--batch", "64", "--steps", "1",
