@@ -255,11 +255,12 @@ def test_budget_offloads_only_where_transfers_cost_less_than_recomputation(flops
 
 
 def test_budget_with_offload_reaches_peaks_recomputation_alone_cannot():
+    # (Recomputation alone reaches 20.75 MiB of tf.gradients' 42 MiB: 0.45 is 18.9 MiB.)
     graph, loss, weights = _wide_mlp()
     with graph.as_default():
         with pytest.raises(memsave.MemsaveError, match="cannot be met"):
-            memsave.plan(loss, weights, checkpoints=memsave.budget(0.5))
-        budget = memsave.budget(0.5, offload="/CPU:1")
+            memsave.plan(loss, weights, checkpoints=memsave.budget(0.45))
+        budget = memsave.budget(0.45, offload="/CPU:1")
         planned = memsave.plan(loss, weights, checkpoints=budget)
         ops_before = len(graph.get_operations())
         memsave.gradients(loss, weights, checkpoints=budget)
@@ -272,7 +273,7 @@ def test_budget_with_offload_reaches_peaks_recomputation_alone_cannot():
         # The integrations take the budget as it is, offload included.
         memsave.gradient_function(budget)(loss, weights)
         through_function = memsave.last_report()
-    assert planned.predicted_peak_bytes <= 0.5 * planned.baseline_peak_bytes
+    assert planned.predicted_peak_bytes <= 0.45 * planned.baseline_peak_bytes
     assert built.predicted_peak_bytes == planned.predicted_peak_bytes
     # The rewrite offloads exactly what the plan chose, each copied out once.
     chosen = _planned_offload(planned)

@@ -535,6 +535,19 @@ def test_budget_plan_past_the_exhaustive_search_is_within_ten_percent_of_optimal
         assert found[0].recompute_flops <= 1.10 * _brute_force(model, limit)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_the_lowest_reachable_peak_is_a_budget_the_search_meets(seed):
+    """The peak a refused budget's message names (lowest_reachable_peak) is one the
+    budget's search then meets: on regions the budget searches locally, the lowest
+    peak is searched locally too."""
+    rng = np.random.default_rng(seed)
+    with tf.Graph().as_default():
+        model = _random_chain(rng, n_ops=int(rng.integers(10, 15)))
+        reachable = search.lowest_reachable_peak(model)
+        found = search.within_budget(model, reachable, expensive=[])
+        assert found is not None and found[0].device_peak_bytes <= reachable
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_lowest_peak_on_small_graphs_is_the_minimum(seed):
     rng = np.random.default_rng(200 + seed)

@@ -422,8 +422,8 @@ def _improved(search, plans, limit_bytes):
     one dropped, or one moved to a candidate up to two places away in topological
     order) until none is better. A plan that fits (its live tensors) is better than
     one that does not; among fitting plans less cost is better, among the others a
-    lower peak. Returns (Prediction, plan, offloaded) of the end point if it fits,
-    else None."""
+    lower peak (with every movable checkpoint offloaded, where offload is allowed).
+    Returns (Prediction, plan, offloaded) of the end point if it fits, else None."""
     tensors = search.candidates.tensors
     position = {t: i for i, t in enumerate(tensors)}
 
@@ -431,7 +431,7 @@ def _improved(search, plans, limit_bytes):
         fitted = search.fit(plan, limit_bytes, allocator=False)
         if fitted is not None:
             return (0, fitted[0].cost_flops, fitted[0].peak_bytes), fitted
-        prediction = search.predict(plan)
+        prediction = search.predict(plan, search.movable(plan))
         return (1, prediction.peak_bytes, prediction.cost_flops), None
 
     def neighbours(plan):
