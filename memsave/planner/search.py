@@ -426,6 +426,10 @@ def _improved(search, plans, limit_bytes):
     Returns (Prediction, plan, offloaded) of the end point if it fits, else None."""
     tensors = search.candidates.tensors
     position = {t: i for i, t in enumerate(tensors)}
+    producer = search.model.graph.producer
+
+    def ordered(ids):  # (a plan may hold expensive outputs that are no candidates)
+        return sorted(ids, key=lambda t: (producer[t], t))
 
     def scored(plan):
         fitted = search.fit(plan, limit_bytes, allocator=False)
@@ -437,14 +441,14 @@ def _improved(search, plans, limit_bytes):
     def neighbours(plan):
         kept = set(plan)
         for t in tensors:
-            yield sorted(kept ^ {t}, key=position.get)
+            yield ordered(kept ^ {t})
         for t in plan:
-            for step in (-2, -1, 1, 2):
+            for step in (-2, -1, 1, 2) if t in position else ():
                 i = position[t] + step
                 if 0 <= i < len(tensors) and tensors[i] not in kept:
-                    yield sorted(kept - {t} | {tensors[i]}, key=position.get)
+                    yield ordered(kept - {t} | {tensors[i]})
 
-    starts = [sorted(set(plan), key=position.get) for plan in plans if plan]
+    starts = [ordered(set(plan)) for plan in plans if plan]
     if not starts:
         return None
     score, fitted, plan = min((scored(p) + (p,) for p in starts), key=lambda f: f[0])
