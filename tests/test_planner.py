@@ -538,8 +538,9 @@ def test_budget_plan_past_the_exhaustive_search_is_within_ten_percent_of_optimal
 @pytest.mark.parametrize("seed", range(8))
 def test_the_lowest_reachable_peak_is_a_budget_the_search_meets(seed):
     """The peak a refused budget's message names (lowest_reachable_peak) is one the
-    budget's search then meets: on regions the budget searches locally, the lowest
-    peak is searched locally too."""
+    budget's search then meets, local search included. (The message may name more than
+    the local search can reach: lowest_reachable_peak has none, and one that climbed on
+    live tensors named allocator peaks the budget then did not meet.)"""
     rng = np.random.default_rng(seed)
     with tf.Graph().as_default():
         model = _random_chain(rng, n_ops=int(rng.integers(10, 15)))
