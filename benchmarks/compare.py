@@ -90,7 +90,13 @@ FIT_TOLERANCE = 1.03  # the cap found is within 3% of the smallest one the step 
 
 def _strategy_gradient_fn(strategy, model, offload=False):
     """(grad_fn(ys, xs), timings dict) for a strategy name; timings gets 'grad_build_s'.
-    `offload` goes to every memsave call (memsave.offload)."""
+    `offload` goes to every memsave call (memsave.offload). A memsave strategy may end
+    in '+chunk:K' (K an int or 'auto'): its calls made under
+    memsave.recompute_loops(chunk=K)."""
+    strategy, chunked, chunk = strategy.partition(LOOP_CHUNK)
+    if chunked:
+        grad_fn, timings = _strategy_gradient_fn(strategy, model, offload)
+        return _with_loop_chunk(grad_fn, chunk), timings
     import tensorflow as tf
 
     import memsave
@@ -141,6 +147,22 @@ def _strategy_gradient_fn(strategy, model, offload=False):
         return result
 
     return grad_fn, timings
+
+
+LOOP_CHUNK = "+chunk:"
+
+
+def _with_loop_chunk(grad_fn, chunk):
+    """grad_fn called under memsave.recompute_loops(chunk=chunk), the mode left as it is."""
+    import memsave
+
+    chunk = chunk if chunk == "auto" else int(chunk)
+
+    def chunked(ys, xs):
+        with memsave.recompute_loops(None, chunk=chunk):
+            return grad_fn(ys, xs)
+
+    return chunked
 
 
 # 'calibrated-budget:F': memsave.budget(F, calibration=...) with the step measured first
@@ -1000,7 +1022,10 @@ def main(argv=None):
                              "on memsave.GradientTape(checkpoints=S)), patched-tape:S (on "
                              "tf.GradientTape under memsave.patch(checkpoints=S)), remat:MODE "
                              "(--model keras built in keras.RematScope(mode=MODE): full, "
-                             "activations, larger_than); default: all that apply to the model")
+                             "activations, larger_than); a memsave strategy may end in "
+                             "+chunk:K (its loops recomputed in chunks of K iterations, 1: "
+                             "none; memsave.recompute_loops(chunk=K)); default: all that apply "
+                             "to the model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--app", default=None,
                         help="keras.applications model for --model keras (default ResNet50)")
@@ -1009,6 +1034,8 @@ def main(argv=None):
                              "dtype policy")
     parser.add_argument("--image-size", type=int, default=None,
                         help="input size for --model keras (default 64) or cnn (default 32)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="sequence length for --model lstm (default 100)")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
                         help="cap the measured device's allocator (GPU: a virtual device; CPU: "
                              "the BFC allocator); running out is reported as OOM")
@@ -1077,6 +1104,10 @@ def main(argv=None):
         model_options["app"] = args.app
     if args.image_size:
         model_options["image_size"] = args.image_size
+    if args.seq_len:
+        if args.model != "lstm":
+            parser.error("--seq-len applies to --model lstm")
+        model_options["seq_len"] = args.seq_len
     if args.mixed_precision:
         if args.model not in KERAS_MODELS:
             parser.error(f"--mixed-precision applies to Keras models ({', '.join(KERAS_MODELS)})")

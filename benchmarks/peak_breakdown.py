@@ -50,7 +50,10 @@ def _gradients(loss, variables, strategy):
 
     if strategy == BASELINE:
         return tf.gradients(loss, variables), memsave.plan(loss, variables, "memory")
-    return memsave.gradients(loss, variables, checkpoints=strategy), memsave.last_report()
+    strategy, chunked, chunk = strategy.partition("+chunk:")  # (as compare.py reads it)
+    with memsave.recompute_loops(None, chunk=int(chunk) if chunked and chunk != "auto"
+                                 else "auto"):
+        return memsave.gradients(loss, variables, checkpoints=strategy), memsave.last_report()
 
 
 def _kind(name, forward_names, gradient_names):

@@ -218,7 +218,10 @@ class _Builder:
             copy = None if quiet_xs else self._recomputing_copy(part, ends_at)
             if copy is not None:
                 ends_at = [copy.outputs[t.value_index] for t in ends_at]
-            results = tf_gradients(ends_at, part.reads + quiet_xs, grad_ys=grads,
+            quiet_ys, quiet_grads = (graph_loops.quiet_list_gradients(copy, ends_at)
+                                     if copy is not None else ([], []))
+            results = tf_gradients(ends_at + quiet_ys, part.reads + quiet_xs,
+                                    grad_ys=grads + quiet_grads,
                                     stop_gradients=part.reads + list(self.options.stop),
                                     **self.options.passed)
             if copy is not None:
@@ -241,7 +244,8 @@ class _Builder:
             return None
         loop = part.ops[0]
         return graph_loops.recomputing_copy(loop, f"{loop.name.split('/')[-1]}_recompute",
-                                            [t.value_index for t in ends_at])
+                                            [t.value_index for t in ends_at],
+                                            chunk=dict(self.plan.loop_chunks).get(loop, 1))
 
     def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label, ops):
         """Copies `ops` (the planned segment's that `seg_ys` needs) and differentiates them.

@@ -40,6 +40,9 @@ class Environment:
         (memsave.always_rewrite(), MEMSAVE_ALWAYS_REWRITE=1).
       recompute_loops: 'auto', 'always' or 'never' (memsave.recompute_loops()): which
         loops the rewrite differentiates through a recomputing copy.
+      loop_chunk: 'auto' or iterations per chunk (memsave.recompute_loops(chunk=)):
+        how many iterations a recomputing copy's gradient recomputes from one kept
+        carry.
     """
     under_xla: bool = False
     accelerator: bool = False
@@ -49,9 +52,11 @@ class Environment:
     gate_gradients: bool = False
     always_rewrite: bool = False
     recompute_loops: str = "auto"
+    loop_chunk: object = "auto"
 
     @classmethod
-    def read(cls, graph, gate_gradients=False, always_rewrite=False, recompute_loops="auto"):
+    def read(cls, graph, gate_gradients=False, always_rewrite=False, recompute_loops="auto",
+             loop_chunk="auto"):
         """The environment of a call building in `graph`.
 
         Args:
@@ -59,6 +64,7 @@ class Environment:
           gate_gradients: the call's tf.gradients argument.
           always_rewrite: whether memsave.always_rewrite() is in force.
           recompute_loops: the memsave.recompute_loops() mode in force.
+          loop_chunk: the memsave.recompute_loops() chunk in force.
         """
         accelerator = bool(tf.config.list_physical_devices("GPU"))
         kernels = None if accelerator else (ONEDNN if _tf_private.onednn_enabled() else EIGEN)
@@ -66,7 +72,8 @@ class Environment:
         return cls(under_xla=under_xla, accelerator=accelerator,
                    kernels=kernels, conv_threads=_eigen_conv_threads(kernels),
                    allocator=_allocator(accelerator), gate_gradients=bool(gate_gradients),
-                   always_rewrite=bool(always_rewrite), recompute_loops=recompute_loops)
+                   always_rewrite=bool(always_rewrite), recompute_loops=recompute_loops,
+                   loop_chunk=loop_chunk)
 
     @property
     def may_read_checkpoints(self):

@@ -76,6 +76,7 @@ class Plan:
       baseline: its prediction of plain tf.gradients.
       recomputed_loops: the while_v2 loops (kept ops) whose gradient the rewrite takes
         through a recomputing copy (memsave.graph.loops), for all the others TensorFlow's.
+      loop_chunks: (loop, iterations per chunk of its copy) for each of those.
       fallback: why plain tf.gradients answers instead, or None.
       warn: whether that fallback deserves a warning (the caller listed checkpoints).
       calibrated: the scale to a measured step the strategy planned with
@@ -100,6 +101,7 @@ class Plan:
     parts: Tuple[backward.Part, ...] = ()
     prediction: Optional[Prediction] = None
     recomputed_loops: FrozenSet[tf.Operation] = frozenset()
+    loop_chunks: Tuple[Tuple[tf.Operation, int], ...] = ()
     fallback: Optional[str] = None
     warn: bool = False
     calibrated: Optional[Calibrated] = None
@@ -207,7 +209,9 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         serializes_conv_gradients=serializes_conv_gradients,
         forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints),
         deferred=frozenset(graph.deferred_tensors),
-        recomputed_loops=frozenset(graph.ops[op] for op in graph.recomputed_loops()))
+        recomputed_loops=frozenset(graph.ops[op] for op in graph.recomputed_loops()),
+        loop_chunks=tuple((graph.ops[op], graph.loops[op].chunk)
+                          for op in graph.recomputed_loops()))
     baseline = common["baseline"].device_peak_bytes
     if (prediction.device_peak_bytes > (1 - _MIN_PREDICTED_SAVING) * baseline
             and not environment.always_rewrite):

@@ -249,6 +249,8 @@ def loop_line(memory, why):
     if why is not None:
         return (f"kept as TensorFlow differentiates it ({count}, {_mb(memory.kept_by_tensorflow)}"
                 f" for its gradient): {why}")
+    if memory.chunk > 1:
+        count += f", in chunks of {memory.chunk}"
     return (f"{RECOMPUTED_LOOP} in the backward pass ({count}): its copy holds "
             f"{_mb(memory.kept_by_copy)} where TensorFlow's gradient keeps "
             f"{_mb(memory.kept_by_tensorflow)} from the forward pass")

@@ -99,23 +99,44 @@ def _loop_mode():
     return getattr(_switches, "recompute_loops", None) or "auto"
 
 
+def _loop_chunk():
+    return getattr(_switches, "loop_chunk", None) or "auto"
+
+
 @contextlib.contextmanager
-def recompute_loops(mode="always"):
+def recompute_loops(mode="always", chunk="auto"):
     """Within this context, memsave differentiates `tf.while_loop`s (while_v2 loops whose
     body may run again) through a copy that recomputes each iteration in the backward
     pass ('always'), as TensorFlow does ('never'), or where the memory model predicts the
     copy holds less than TensorFlow's gradient keeps ('auto', the default outside any
     such context). It decides nothing where plain tf.gradients answers the call (no
     saving predicted, no checkpoints) or the step is compiled by XLA. Restores the
-    previous setting on exit.
+    previous settings on exit.
+
+    Args:
+      mode: 'auto', 'always' or 'never'; None leaves the mode in force (to set the
+        chunk alone).
+      chunk: how many iterations the copy's gradient recomputes from one kept carry.
+        'auto' (the default): about the square root of the loop's iteration count,
+        where the graph says the count and it is at least
+        memsave.graph.loops.MIN_CHUNKED_ITERATIONS (the carry is kept at the start of
+        each chunk and of each iteration of the chunk being differentiated: about
+        2 sqrt(T) carries instead of T, for one more run of the loop); 1 keeps every
+        iteration's carry (one run fewer); an int k: chunks of k iterations.
 
     Raises:
-      MemsaveError: for a mode that is not one of 'auto', 'always', 'never'.
+      MemsaveError: for a mode that is not one of 'auto', 'always', 'never', or a chunk
+        that is not 'auto' or a positive int.
     """
+    if mode is None:
+        mode = _loop_mode()
     if mode not in LOOP_MODES:
         raise MemsaveError(f"unknown recompute_loops mode {mode!r}; expected one of "
-                           + ", ".join(repr(m) for m in LOOP_MODES))
-    with _switched("recompute_loops", mode):
+                           + ", ".join(repr(m) for m in LOOP_MODES) + " (or None)")
+    if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise MemsaveError(f"recompute_loops chunk {chunk!r} is not 'auto' or a positive "
+                           "int (iterations recomputed from one kept carry; 1: no chunks)")
+    with _switched("recompute_loops", mode), _switched("loop_chunk", chunk):
         yield
 
 
@@ -213,7 +234,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints=_DEFAULT, offload=False, **kwarg
             return _plain_gradients(_plain_report(strategy_name, _UNCONNECTED, region), explicit,
                                     ys, xs, grad_ys, options)
         environment = Environment.read(call.graph, options.passed.get("gate_gradients"),
-                                       _always_rewrite(), _loop_mode())
+                                       _always_rewrite(), _loop_mode(), _loop_chunk())
         problem = _problem(region, environment, strategy, offload)
         the_plan = make_plan(problem, strategy, strategy_name, call.xs, explicit)
         report = the_plan.report()
@@ -314,7 +335,7 @@ def plan(ys, xs, checkpoints="collection", unknown_dim_size=None, offload=False)
     if not any(region.is_connected(x) for x in call.xs):
         return _plain_report(strategy_name, _UNCONNECTED, region)
     environment = Environment.read(call.graph, always_rewrite=_always_rewrite(),
-                                   recompute_loops=_loop_mode())
+                                   recompute_loops=_loop_mode(), loop_chunk=_loop_chunk())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemsaveWarning)
         problem = _problem(region, environment, strategy, offload, unknown_dim_size)

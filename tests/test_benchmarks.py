@@ -78,6 +78,21 @@ def test_keras_layer_models_step_with_tf_gradients(name):
     assert name in compare.KERAS_MODELS and name not in compare.MARKING_MODELS
 
 
+@pytest.mark.parametrize("strategy, words", [("memory+chunk:3", "in chunks of 3"),
+                                              ("memory+chunk:1", "(5 iterations)")])
+def test_a_strategy_with_a_loop_chunk_recomputes_the_loops_in_chunks(strategy, words):
+    """'S+chunk:K' (compare.py, peak_breakdown.py): S under
+    memsave.recompute_loops('auto', chunk=K)."""
+    import memsave
+
+    model = models.build_model("lstm", seed=1, **KERAS_TINY["lstm"])
+    grad_fn, _ = compare._strategy_gradient_fn(strategy, model)
+    with memsave.always_rewrite(), memsave.recompute_loops("always"):
+        model.make_step(grad_fn)(*model.inputs)
+    loops = memsave.last_report().loops
+    assert len(loops) == 2 and all(words in why for _, why in loops), loops
+
+
 def test_a_keras_model_under_mixed_bfloat16_restores_the_policy():
     from keras.src.backend.common import global_state
 

@@ -42,7 +42,7 @@ def _rnn(x_seq, w, u, cell=None):
     return tf.reduce_sum(tf.sin(h)) + total
 
 
-def _run(kind, make_loss, checkpoints="memory", before=None, loop_mode="always"):
+def _run(kind, make_loss, checkpoints="memory", before=None, loop_mode="always", chunk="auto"):
     """(tf.gradients' values, memsave's, memsave's report, the graph) for the loss
     `make_loss(x_seq, w, u)` with respect to w and u (variables) in one graph of `kind`,
     under memsave.recompute_loops(loop_mode) (these loops are too small for 'auto' to
@@ -63,7 +63,7 @@ def _run(kind, make_loss, checkpoints="memory", before=None, loop_mode="always")
         if before is not None:
             before(loss, xs)
         expected = tf.gradients(loss, xs)
-        with memsave.always_rewrite(), memsave.recompute_loops(loop_mode):
+        with memsave.always_rewrite(), memsave.recompute_loops(loop_mode, chunk=chunk):
             got = memsave.gradients(loss, xs, checkpoints=checkpoints)
         reports.append(memsave.last_report())
         graphs.append(graph)
@@ -74,15 +74,17 @@ def _run(kind, make_loss, checkpoints="memory", before=None, loop_mode="always")
     return values["tf"], values["memsave"], reports[-1], graphs[-1]
 
 
-def _copies(graph):
+def _copies(graph, gradient="memsave_"):
     """The recomputing copies memsave built in `graph` (loops whose body has the
-    IdentityN that recomputes the core in the gradient)."""
+    IdentityN that recomputes the core, or a chunk, in the gradient; `gradient`: the
+    prefix of its gradient's name: 'memsave_recompute_gradient' for a copy without
+    chunks, 'memsave_chunk_gradient' for one with)."""
     found = []
     for op in graph.get_operations():
         body = getattr(op, "_body_graph", None) if loops.is_loop(op) else None
         if body is not None and any(
-                (_tf_private.overridden_gradient_type(o) or "").startswith(
-                    "memsave_recompute_gradient") for o in body.get_operations()):
+                (_tf_private.overridden_gradient_type(o) or "").startswith(gradient)
+                for o in body.get_operations()):
             found.append(op)
     return found
 
@@ -248,12 +250,12 @@ def test_auto_recomputes_a_long_loop():
         loss = _rnn(x_seq, w, u)
         report = memsave.plan(loss, [w.handle, u.handle], checkpoints="memory")
     (_, why), = report.loops
-    assert why.startswith("recomputed in the backward pass (200 iterations)"), why
+    assert why.startswith("recomputed in the backward pass (200 iterations, in chunks of 14)"), why
 
 
 def test_an_unknown_loop_mode_is_refused():
     with pytest.raises(memsave.MemsaveError, match="unknown recompute_loops mode 'sometimes'; "
-                       "expected one of 'auto', 'always', 'never'"):
+                       "expected one of 'auto', 'always', 'never' \\(or None\\)"):
         with memsave.recompute_loops("sometimes"):
             pass
 
@@ -343,3 +345,95 @@ def test_a_copy_leaves_the_variables_it_reads_read_only():
             second = memsave.last_report().loops
         assert len(_copies(graph)) == 2
     assert first[0][1].startswith("recomputed") and second[0][1].startswith("recomputed"), second
+
+
+# Chunks (memsave.recompute_loops(chunk=)): the copy keeps the carry where each chunk
+# starts and recomputes the chunk in the backward pass (STEPS = 6: chunks of 4 leave a
+# last chunk of 2; 7 is one chunk, longer than the loop).
+@pytest.mark.parametrize("kind", ["v1", "function"])
+@pytest.mark.parametrize("chunk", [2, 4, 7])
+def test_a_chunked_copy_is_exact(kind, chunk):
+    expected, got, report, graph = _run(kind, _rnn, chunk=chunk)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert len(_copies(graph, "memsave_chunk_gradient")) == 1
+    (_, why), = report.loops
+    assert f"in chunks of {min(chunk, STEPS)}" in why, why
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_chunked_copy_of_a_loop_its_condition_stops_early(kind):
+    """The condition ends the loop inside a chunk (after 5 of at most 9 iterations, a
+    count the data decides): the copy runs no iteration more than the loop."""
+    def stops_early(x_seq, w, u):
+        def body(i, h, total):
+            h = tf.tanh(tf.matmul(x_seq[i % STEPS], w) + tf.matmul(h, u))
+            return i + 1, h, total + tf.reduce_sum(h * h)
+
+        h0 = tf.zeros([BATCH, WIDTH], tf.float64)
+        _, h, total = tf.while_loop(
+            lambda i, h, total: tf.logical_and(i < 9, total < 4.0 + 0.0 * w[0, 0]), body,
+            [tf.constant(0), h0, tf.constant(0.0, tf.float64)], maximum_iterations=9)
+        return tf.reduce_sum(tf.sin(h)) + total
+
+    for chunk in (2, 3):
+        expected, got, _, graph = _run(kind, stops_early, chunk=chunk)
+        assert_same_gradients(expected, got, rtol=1e-12)
+        assert len(_copies(graph, "memsave_chunk_gradient")) == 1
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_chunked_copy_of_a_loop_without_a_maximum(kind):
+    def no_maximum(x_seq, w, u):
+        _, h = tf.while_loop(lambda i, h: i < STEPS,
+                             lambda i, h: (i + 1, tf.tanh(x_seq[i] @ w + h @ u)),
+                             [0, tf.zeros([BATCH, WIDTH], tf.float64)])
+        return tf.reduce_sum(h * h)
+
+    expected, got, _, graph = _run(kind, no_maximum, chunk=4)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    assert len(_copies(graph, "memsave_chunk_gradient")) == 1
+
+
+def test_a_chunked_copy_keeps_a_carry_per_chunk_and_recomputes_the_chunk():
+    """The copy's gradient pushes, per chunk, the loop variables (placeholders of its
+    body), never an activation; the chunk runs again in the gradient, itself a copy
+    that keeps each iteration's carry."""
+    _, _, _, graph = _run("v1", _rnn, chunk=3)
+    copy, = _copies(graph, "memsave_chunk_gradient")
+    pushed = _pushed(copy)
+    assert pushed and set(pushed) <= {"Placeholder", "IdentityN"}, pushed
+    gradient_loops = [op for op in graph.get_operations()
+                      if loops.is_loop(op) and op.name.startswith("gradients")
+                      or "_grad" in op.name and loops.is_loop(op)]
+    assert gradient_loops  # (the copy's gradient loop, which runs each chunk again)
+
+
+def test_auto_chunks_long_loops_only():
+    """'auto': chunks of about sqrt(T) where the graph says T, T >= 16 and the carries
+    are most of what the copy holds; the model counts the carries a chunked copy holds."""
+    from memsave.planner.loops import carries_kept, chunk_for
+    assert chunk_for(200, True, carries=9, lists=4) == 14
+    assert chunk_for(100, True, carries=1) == 10
+    # Not where the lists the loop reads and writes are half its carries or more.
+    assert chunk_for(200, True, carries=8, lists=4) == 1
+    assert chunk_for(15, True, carries=1) == 1 and chunk_for(200, False, carries=1) == 1
+    assert chunk_for(200, True, 1) == 1 and chunk_for(6, True, 7) == 6
+    assert carries_kept(100, 1) == 100 and carries_kept(100, 10) == 20
+    assert carries_kept(6, 4) == 2 + 4
+    graph = tf.Graph()
+    with graph.as_default():
+        x_seq = tf.constant(np.tile(X_SEQ[:1], [100, 1, 1]))
+        _rnn(x_seq, tf.Variable(W0), tf.Variable(U0))
+        loop, = [op for op in graph.get_operations() if loops.is_loop(op)]
+        chunked, whole = loop_memory(loop), loop_memory(loop, chunk=1)
+    assert chunked.chunk == 10 and whole.chunk == 1
+    carry = 2 * 4 + BATCH * WIDTH * 8 + 8
+    assert whole.kept_by_copy - chunked.kept_by_copy == (100 - 20) * carry
+
+
+@pytest.mark.parametrize("chunk", [0, -2, 2.5, True, "sqrt"])
+def test_a_bad_chunk_is_refused(chunk):
+    with pytest.raises(memsave.MemsaveError, match=f"recompute_loops chunk {chunk!r} is not "
+                       "'auto' or a positive int"):
+        with memsave.recompute_loops("auto", chunk=chunk):
+            pass

@@ -7,6 +7,7 @@ that changes them breaks one file, and the rest of memsave reads as public API.
 """
 
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import default_gradient
 
@@ -315,29 +316,58 @@ def placeholder_like(t):
     return placeholder
 
 
+def list_element_dtype(t):
+    """The element dtype of TensorList `t` where its handle data says, else None."""
+    from tensorflow.python.ops import handle_data_util
+    if t.dtype != dtypes.variant:
+        return None
+    data = handle_data_util.get_resource_handle_data(t)
+    if data is None or not data.is_set or len(data.shape_and_type) != 1:
+        return None
+    return dtypes.as_dtype(data.shape_and_type[0].dtype)
+
+
+def empty_list_like(t, element_dtype):
+    """A TensorList as long as `t` whose elements are all unset: a zero gradient for
+    `t` that allocates nothing (TensorFlow adds a list to it element by element, an
+    unset element as zero). tf.gradients' own zero gradient of a list, its zeros_like,
+    makes every element."""
+    from tensorflow.python.ops import gen_list_ops
+    return gen_list_ops.tensor_list_reserve(
+        gen_list_ops.tensor_list_element_shape(t, shape_type=dtypes.int32),
+        gen_list_ops.tensor_list_length(t), element_dtype=element_dtype)
+
+
 def build_loop(like, cond_graph, body_graph, name, parallel_iterations=None):
     """A while_v2 loop op with `like`'s inputs, attributes and output shapes, running
     `cond_graph` and `body_graph` (added to the library as they are named), built as
     tf.while_loop builds its own, so TensorFlow's gradient takes it as one.
     `parallel_iterations`: how many iterations may run at once (default `like`'s); the
-    loop's gradient takes it too. The new loop reads `like`'s resource inputs as `like`
+    loop's gradient takes it too."""
+    if parallel_iterations is None:
+        parallel_iterations = like.get_attr("parallel_iterations")
+    with like.graph.as_default():
+        outputs = build_loop_from(like, like.inputs, cond_graph, body_graph, name,
+                                  parallel_iterations)
+    return outputs[0].op
+
+
+def build_loop_from(like, inputs, cond_graph, body_graph, name, parallel_iterations):
+    """The outputs of a while_v2 loop op reading `inputs` (as many as `like`'s, of the
+    same dtypes and shapes) in the default graph, running `cond_graph` and `body_graph`,
+    with `like`'s output shapes. The new loop reads `like`'s resource inputs as `like`
     does (its `_read_only_resource_inputs`: TensorFlow derives it from what each op of
     the body does with a handle, and would count memsave's pass-through of one as a
     write)."""
     from tensorflow.python.ops import while_v2
-    if parallel_iterations is None:
-        parallel_iterations = like.get_attr("parallel_iterations")
-    with like.graph.as_default():
-        outputs = while_v2._build_while_op(
-            list(like.inputs), cond_graph, body_graph,
-            output_shapes=loop_output_shapes(like),
-            parallel_iterations=parallel_iterations,
-            name=name, num_original_outputs=len(like.outputs))
-    loop = outputs[0].op
+    outputs = while_v2._build_while_op(
+        list(inputs), cond_graph, body_graph, output_shapes=loop_output_shapes(like),
+        parallel_iterations=parallel_iterations, name=name,
+        num_original_outputs=len(like.outputs))
     read_only = "_read_only_resource_inputs"
     if read_only in like.node_def.attr:
-        loop._set_attr(read_only, like.node_def.attr[read_only])
-    return loop
+        outputs[0].op._set_attr(read_only, like.node_def.attr[read_only])
+    return list(outputs)
 
 
 def memory_profile(logdir):

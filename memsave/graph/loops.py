@@ -44,6 +44,10 @@ LOOP_OP_TYPES = frozenset(["While", "StatelessWhile"])
 # the 45 the LSTM benchmark's memsave step held (AMD EPYC, 2 cores), 37 MiB with 2.
 PARALLEL_ITERATIONS = 2
 
+# Below this many iterations the copy keeps every iteration's carry by default: chunks
+# of about sqrt(T) keep 2 sqrt(T) (8 of 16) for one more run of the loop.
+MIN_CHUNKED_ITERATIONS = 16
+
 
 def is_loop(op):
     """Whether `op` is a while_v2 loop (its body a function of the library)."""
@@ -183,7 +187,7 @@ def _is_computation(op):
     return op.type not in ("Identity", "ReadVariableOp")
 
 
-def recomputing_copy(loop, name, needed_outputs):
+def recomputing_copy(loop, name, needed_outputs, chunk=1):
     """A new loop op with `loop`'s inputs and cond, whose gradient recomputes each
     iteration's core (`body_core`) instead of keeping it.
 
@@ -192,10 +196,17 @@ def recomputing_copy(loop, name, needed_outputs):
     accumulators tf.gradients added to a loop it differentiated before, for one, which
     would otherwise keep what the copy exists not to keep.
 
+    With `chunk` > 1 the copy runs `chunk` iterations per iteration of its own (an inner
+    loop, `_chunked_body`), and its gradient keeps the loop variables only where each
+    chunk starts, and recomputes the chunk (keeping each of its iterations' core inputs)
+    before differentiating it: about iterations / chunk + chunk carries kept instead of
+    one per iteration, for one more run of the loop (Gruslys et al. 2016).
+
     Args:
       loop: a while_v2 loop op (`is_loop`) for which `why_loop_not_recomputed` is None.
       name: the new op's name (made unique by the graph).
       needed_outputs: indices of the outputs the caller differentiates.
+      chunk: iterations per chunk (1: none).
     Returns:
       The new op (its outputs are `loop`'s, index for index, for those needed), or None
       where the body has no core (nothing to save).
@@ -209,12 +220,136 @@ def recomputing_copy(loop, name, needed_outputs):
     core = body_core(source, within_ops=needed_ops)
     if core is None:
         return None
+    parallel = min(PARALLEL_ITERATIONS, loop.get_attr("parallel_iterations"))
+    if chunk > 1:
+        _counting_chunks(cond, chunk)
+        _tf_private.rename_function_graph(cond, f"{name}_cond")
+        body = _chunked_body(loop, source, core, needed, needed_ops, chunk, parallel,
+                             _tf_private.unique_function_name(f"{name}_body"))
+        # (One chunk at a time: each holds its iterations' carries in its gradient.)
+        return _tf_private.build_loop(loop, cond, body, name, parallel_iterations=1)
     _tf_private.rename_function_graph(cond, f"{name}_cond")
     body = _rebuilt_body(loop.graph, source, core, needed, needed_ops,
                          _tf_private.unique_function_name(f"{name}_body"))
-    return _tf_private.build_loop(loop, cond, body, name,
-                                  parallel_iterations=min(PARALLEL_ITERATIONS,
-                                                          loop.get_attr("parallel_iterations")))
+    return _tf_private.build_loop(loop, cond, body, name, parallel_iterations=parallel)
+
+
+def quiet_list_gradients(loop, differentiated):
+    """(ys, grad_ys) to add to a tf.gradients call over the outputs `differentiated` of
+    loop op `loop`: each of its other TensorList outputs, with an empty list as its
+    gradient. tf.gradients would give such an output zeros_like: a list of zeros as
+    large as the list, for a loop that reads a layer's whole input sequence."""
+    taken = TensorSet(differentiated)
+    ys, grad_ys = [], []
+    for t in loop.outputs:
+        dtype = _tf_private.list_element_dtype(loop.inputs[t.value_index]) if (
+            t.value_index < len(loop.inputs)) else None
+        if t not in taken and dtype is not None:
+            ys.append(t)
+            grad_ys.append(_tf_private.empty_list_like(t, dtype))
+    return ys, grad_ys
+
+
+def _counting_chunks(cond, chunk):
+    """Makes loop condition graph `cond` read its counter, which counts chunks in the
+    chunked copy, as the iterations run before: `chunk` times it (every chunk but the
+    last runs whole, and the condition stops the loop after the last)."""
+    counter = cond.inputs[0]
+    readers = [(op, i) for op in counter.consumers()
+               for i, t in enumerate(op.inputs) if t is counter]
+    with cond.as_default():
+        iterations = counter * chunk
+    for op, i in readers:
+        _tf_private.update_input(op, i, iterations)
+
+
+def _chunk_cond(loop, shapes):
+    """`loop`'s condition graph, and besides: the counter below the second loop
+    variable (a chunk's loop is given there how many iterations it runs)."""
+    cond = _tf_private.loop_function_graph(loop, "cond", shapes)
+    with cond.as_default():
+        go_on = tf.logical_and(cond.outputs[0], cond.inputs[0] < cond.inputs[1])
+    _tf_private.set_function_graph_io(cond, cond.inputs, [go_on])
+    _tf_private.rename_function_graph(cond, f"{loop.name.split('/')[-1]}_chunk_cond")
+    return cond
+
+
+def _chunked_body(loop, source, core, needed, needed_ops, chunk, parallel, name):
+    """The body of a chunked copy (`recomputing_copy`): an inner loop running up to
+    `chunk` iterations of `source` (rebuilt as `_rebuilt_body` rebuilds it), its
+    outputs passed through an IdentityN whose gradient runs the chunk again and
+    differentiates that (`_with_chunk_gradient`). Loop invariants and variables not
+    `needed` are passed on unchanged; the counter counts chunks.
+
+    TensorFlow's gradient of a while_v2 loop runs as many iterations as the loop's
+    counter output says, so each loop, the chunk's and the copy's, counts its own
+    iterations from 0; the condition of the copy reads its counter times `chunk`
+    (`_counting_chunks`)."""
+    shapes = _tf_private.loop_output_shapes(loop)
+    invariant = passed_on_unchanged(source)
+    body = _tf_private.new_loop_body_graph(loop.graph, name)
+    with body.as_default():
+        inputs = [_tf_private.placeholder_like(t) for t in source.inputs]
+
+        def run_chunk(values):
+            chunks_run, maximum = values[0], values[1]
+            # (A loop without a maximum_iterations has -1 there.)
+            left = tf.where(maximum >= 0, tf.minimum(chunk, maximum - chunks_run * chunk),
+                            chunk)
+            inner_body = _rebuilt_body(
+                tf.compat.v1.get_default_graph(), source, core, needed, needed_ops,
+                _tf_private.unique_function_name(f"{name}_chunk_body"))
+            outputs = _tf_private.build_loop_from(
+                loop, [tf.zeros_like(chunks_run), left] + list(values[2:]),
+                _chunk_cond(loop, shapes), inner_body, "chunk", parallel)
+            return [chunks_run + 1] + outputs[1:]
+
+        passed = [i for i, t in enumerate(source.inputs)
+                  if i != 1 and i in needed and t not in invariant]
+        outputs = _with_chunk_gradient(inputs, run_chunk, passed,
+                                       [_tf_private.list_element_dtype(t) for t in loop.inputs])
+        _tf_private.set_function_graph_io(
+            body, inputs, [outputs[i] if i in passed else t for i, t in enumerate(inputs)])
+    return body
+
+
+def _differentiable(t):
+    return t.dtype.is_floating or t.dtype.is_complex or t.dtype in (tf.variant, tf.resource)
+
+
+def _with_chunk_gradient(inputs, run_chunk, passed, element_dtypes):
+    """The outputs of `run_chunk(inputs)` (a chunk's loop), passed through an IdentityN
+    (with `inputs`, so the gradient reaches them) whose gradient runs the chunk again
+    from its inputs, as kept by the copy's gradient, and differentiates that run with
+    the gradients of the outputs at indices `passed` (what the copy's body returns);
+    every other TensorList output gets an empty list (`element_dtypes`: of each loop
+    variable that is a list) rather than tf.gradients' list of zeros."""
+    outputs = run_chunk(inputs)
+    count = len(outputs)
+
+    def chunk_gradient(op, *output_gradients):
+        del op
+        local_inputs = [tf.identity(t) for t in inputs]
+        again = run_chunk(local_inputs)
+        ys, grad_ys = [], []
+        for i, (t, dy) in enumerate(zip(again, output_gradients[:count])):
+            if i in passed and dy is not None and _differentiable(t):
+                ys.append(t)
+                grad_ys.append(dy)
+            elif element_dtypes[i] is not None:
+                ys.append(t)
+                grad_ys.append(_tf_private.empty_list_like(t, element_dtypes[i]))
+        xs = [t for t in local_inputs if _differentiable(t)]
+        found = iter(_tf_gradients(ys, xs, grad_ys=grad_ys) if ys else [None] * len(xs))
+        return [None] * count + [next(found) if _differentiable(t) else None
+                                 for t in local_inputs]
+
+    gradient_name = _tf_private.unique_function_name("memsave_chunk_gradient")
+    tf.RegisterGradient(gradient_name)(chunk_gradient)
+    with tf.compat.v1.get_default_graph().gradient_override_map({"IdentityN": gradient_name}):
+        passed_through = tf.raw_ops.IdentityN(input=list(outputs) + list(inputs),
+                                              name="chunk_recomputed_in_gradient")
+    return passed_through[:count]
 
 
 def _needed_variables(cond, body, needed_outputs):

@@ -158,7 +158,7 @@ class StepGraph:
             if op in kept and graph_loops.is_loop(op):
                 step.loops[step.op_id[op]] = loop_memory(
                     op, unknown_dim_size, stopped=op in region.stopped_ops,
-                    under_xla=environment.under_xla)
+                    under_xla=environment.under_xla, chunk=environment.loop_chunk)
         # (Under XLA, whose kernels make workspaces of their own, none is modelled.)
         step._size_workspaces(None if environment.under_xla else environment.kernels)
         step._link(region)
