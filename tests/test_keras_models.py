@@ -3,7 +3,7 @@ gradients under memsave: attention (`MultiHeadAttention`, a causal mask), a spar
 `Embedding` gradient, ConvNeXt, whose grouped convolutions Keras runs as nested
 jit-compiled functions that memsave recomputes (tests/test_calls.py has the small cases),
 and stacked LSTMs, whose loops memsave differentiates through recomputing copies
-(tests/test_loops.py).
+(tests/test_loops.py), in chunks where the loop is long.
 """
 
 import sys
@@ -29,7 +29,11 @@ CASES = {
     "vit": dict(depth=2, batch=2, image_size=16, patch=4, d_model=16, heads=2),
     "convnext": dict(batch=2, app="ConvNeXtTiny", image_size=32),
     "lstm": dict(depth=2, batch=3, seq_len=5, units=6, features=4, classes=3),
+    # One LSTM over 20 steps, outputting the last: its carries are most of what its copy
+    # holds, and 'auto' runs the copy in chunks of 4.
+    "lstm_chunks": dict(depth=1, batch=3, seq_len=20, units=6, features=2, classes=3),
 }
+BENCHMARK_MODEL = {"convnext": "keras", "lstm_chunks": "lstm"}
 # Gradients that are zero in exact arithmetic (attention's key bias: softmax ignores a
 # constant added to every key) come out as float64 rounding noise, around 1e-17.
 ATOL = 1e-13
@@ -58,7 +62,7 @@ def test_keras_layer_models_are_exact_in_float64(name, float64_keras):
 def check_in_float64(name):
     """Asserts memsave's gradients equal tf.gradients' for model `name` (built in float64)."""
     options = dict(CASES[name])
-    model = models.build_model("keras" if name == "convnext" else name, seed=0, **options)
+    model = models.build_model(BENCHMARK_MODEL.get(name, name), seed=0, **options)
     inputs = [a.astype(np.float64) if a.dtype == np.float32 else a for a in model.inputs]
     reports = []
 
@@ -82,4 +86,7 @@ def check_in_float64(name):
         assert any(isinstance(g, tf.IndexedSlices) for g in got)
     if name == "lstm":  # (each LSTM's loop differentiated through a recomputing copy)
         assert [why.split(" ")[0] for _, why in reports[-1].loops] == ["recomputed"] * 2
+    if name == "lstm_chunks":
+        (_, why), = reports[-1].loops
+        assert why.startswith("recomputed in the backward pass (20 iterations, in chunks of 4)"), why
     assert all(v.dtype == tf.float64 for v in model.variables)
