@@ -156,6 +156,8 @@ def _with_loop_chunk(grad_fn, chunk):
     """grad_fn called under memsave.recompute_loops(chunk=chunk), the mode left as it is."""
     import memsave
 
+    if chunk != "auto" and not chunk.isdigit():
+        raise ValueError(f"+chunk:{chunk}: K is an int >= 1 or 'auto'")
     chunk = chunk if chunk == "auto" else int(chunk)
 
     def chunked(ys, xs):

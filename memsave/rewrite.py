@@ -104,7 +104,7 @@ def _loop_chunk():
 
 
 @contextlib.contextmanager
-def recompute_loops(mode="always", chunk="auto"):
+def recompute_loops(mode="always", chunk=None):
     """Within this context, memsave differentiates `tf.while_loop`s (while_v2 loops whose
     body may run again) through a copy that recomputes each iteration in the backward
     pass ('always'), as TensorFlow does ('never'), or where the memory model predicts the
@@ -116,8 +116,9 @@ def recompute_loops(mode="always", chunk="auto"):
     Args:
       mode: 'auto', 'always' or 'never'; None leaves the mode in force (to set the
         chunk alone).
-      chunk: how many iterations the copy's gradient recomputes from one kept carry.
-        'auto' (the default): about the square root of the loop's iteration count,
+      chunk: how many iterations the copy's gradient recomputes from one kept carry;
+        None leaves the chunk in force ('auto' outside any such context).
+        'auto': about the square root of the loop's iteration count,
         where the graph says the count and it is at least
         memsave.graph.loops.MIN_CHUNKED_ITERATIONS (the carry is kept at the start of
         each chunk and of each iteration of the chunk being differentiated: about
@@ -133,6 +134,8 @@ def recompute_loops(mode="always", chunk="auto"):
     if mode not in LOOP_MODES:
         raise MemsaveError(f"unknown recompute_loops mode {mode!r}; expected one of "
                            + ", ".join(repr(m) for m in LOOP_MODES) + " (or None)")
+    if chunk is None:
+        chunk = _loop_chunk()
     if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise MemsaveError(f"recompute_loops chunk {chunk!r} is not 'auto' or a positive "
                            "int (iterations recomputed from one kept carry; 1: no chunks)")

@@ -79,7 +79,7 @@ def test_keras_layer_models_step_with_tf_gradients(name):
 
 
 @pytest.mark.parametrize("strategy, words", [("memory+chunk:3", "in chunks of 3"),
-                                              ("memory+chunk:1", "(5 iterations)")])
+                                              ("memory+chunk:2", "in chunks of 2")])
 def test_a_strategy_with_a_loop_chunk_recomputes_the_loops_in_chunks(strategy, words):
     """'S+chunk:K' (compare.py, peak_breakdown.py): S under
     memsave.recompute_loops('auto', chunk=K)."""

@@ -363,7 +363,8 @@ def test_a_chunked_copy_is_exact(kind, chunk):
 @pytest.mark.parametrize("kind", ["v1", "function"])
 def test_a_chunked_copy_of_a_loop_its_condition_stops_early(kind):
     """The condition ends the loop inside a chunk (after 5 of at most 9 iterations, a
-    count the data decides): the copy runs no iteration more than the loop."""
+    count the data decides: the sum passes 22 in the fifth; 2+2+1 and 3+2): the copy
+    runs no iteration more than the loop."""
     def stops_early(x_seq, w, u):
         def body(i, h, total):
             h = tf.tanh(tf.matmul(x_seq[i % STEPS], w) + tf.matmul(h, u))
@@ -371,7 +372,7 @@ def test_a_chunked_copy_of_a_loop_its_condition_stops_early(kind):
 
         h0 = tf.zeros([BATCH, WIDTH], tf.float64)
         _, h, total = tf.while_loop(
-            lambda i, h, total: tf.logical_and(i < 9, total < 4.0 + 0.0 * w[0, 0]), body,
+            lambda i, h, total: tf.logical_and(i < 9, total < 22.0 + 0.0 * w[0, 0]), body,
             [tf.constant(0), h0, tf.constant(0.0, tf.float64)], maximum_iterations=9)
         return tf.reduce_sum(tf.sin(h)) + total
 
@@ -389,23 +390,52 @@ def test_a_chunked_copy_of_a_loop_without_a_maximum(kind):
                              [0, tf.zeros([BATCH, WIDTH], tf.float64)])
         return tf.reduce_sum(h * h)
 
-    expected, got, _, graph = _run(kind, no_maximum, chunk=4)
+    for chunk in (4, 8):  # (the count unknown, 8 is not cut to it)
+        expected, got, report, graph = _run(kind, no_maximum, chunk=chunk)
+        assert_same_gradients(expected, got, rtol=1e-12)
+        assert len(_copies(graph, "memsave_chunk_gradient")) == 1
+        assert f"in chunks of {chunk}" in report.loops[0][1], report.loops
+
+
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_chunked_copy_of_a_loop_that_runs_no_iteration(kind):
+    def never_runs(x_seq, w, u):
+        _, h = tf.while_loop(lambda i, h: i < tf.reduce_sum(x_seq) * 0.0 - 1.0,
+                             lambda i, h: (i + 1.0, tf.tanh(h @ w + h @ u)),
+                             [tf.constant(0.0, tf.float64), x_seq[0] @ w])
+        return tf.reduce_sum(h * h)
+
+    expected, got, _, graph = _run(kind, never_runs, chunk=2)
     assert_same_gradients(expected, got, rtol=1e-12)
     assert len(_copies(graph, "memsave_chunk_gradient")) == 1
 
 
+def _nested_loops(graph):
+    """The loops in the bodies of `graph`'s loops, at any depth."""
+    found = []
+    for op in graph.get_operations():
+        body = getattr(op, "_body_graph", None) if loops.is_loop(op) else None
+        if body is not None:
+            inner = [o for o in body.get_operations() if loops.is_loop(o)]
+            found += inner + _nested_loops(body)
+    return found
+
+
 def test_a_chunked_copy_keeps_a_carry_per_chunk_and_recomputes_the_chunk():
-    """The copy's gradient pushes, per chunk, the loop variables (placeholders of its
-    body), never an activation; the chunk runs again in the gradient, itself a copy
-    that keeps each iteration's carry."""
+    """The copy's gradient pushes, per chunk, the loop variables (its body's inputs,
+    passed on by the IdentityN), never an activation; the chunk's loop in the copy keeps
+    nothing (nothing differentiates it); the chunk runs again in the copy's gradient
+    loop, and that run, differentiated, keeps each iteration's carry."""
     _, _, _, graph = _run("v1", _rnn, chunk=3)
     copy, = _copies(graph, "memsave_chunk_gradient")
     pushed = _pushed(copy)
     assert pushed and set(pushed) <= {"Placeholder", "IdentityN"}, pushed
-    gradient_loops = [op for op in graph.get_operations()
-                      if loops.is_loop(op) and op.name.startswith("gradients")
-                      or "_grad" in op.name and loops.is_loop(op)]
-    assert gradient_loops  # (the copy's gradient loop, which runs each chunk again)
+    chunk_loop, = [op for op in copy._body_graph.get_operations() if loops.is_loop(op)]
+    assert not _pushed(chunk_loop)
+    reruns = [op for op in _nested_loops(graph)
+              if op is not chunk_loop and op.graph is not copy._body_graph and _pushed(op)]
+    assert reruns and all(set(_pushed(op)) <= {"Placeholder", "StridedSlice", "Shape"}
+                          for op in reruns), [_pushed(op) for op in reruns]
 
 
 def test_auto_chunks_long_loops_only():
@@ -437,3 +467,21 @@ def test_a_bad_chunk_is_refused(chunk):
                        "'auto' or a positive int"):
         with memsave.recompute_loops("auto", chunk=chunk):
             pass
+
+
+def test_a_mode_set_inside_leaves_the_chunk_set_outside():
+    from memsave import rewrite
+    with memsave.recompute_loops(None, chunk=3):
+        with memsave.recompute_loops("always"):
+            assert (rewrite._loop_mode(), rewrite._loop_chunk()) == ("always", 3)
+        assert rewrite._loop_chunk() == 3
+    assert rewrite._loop_chunk() == "auto"
+
+
+def test_tf_while_loops_may_run_in_chunks():
+    """The counter of a loop tf.while_loop builds only counts (why_not_in_chunks)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        _rnn(tf.constant(X_SEQ), tf.Variable(W0), tf.Variable(U0))
+        loop, = [op for op in graph.get_operations() if loops.is_loop(op)]
+        assert loops.why_not_in_chunks(loop) is None

@@ -235,10 +235,19 @@ def recomputing_copy(loop, name, needed_outputs, chunk=1):
 
 
 def quiet_list_gradients(loop, differentiated):
-    """(ys, grad_ys) to add to a tf.gradients call over the outputs `differentiated` of
-    loop op `loop`: each of its other TensorList outputs, with an empty list as its
-    gradient. tf.gradients would give such an output zeros_like: a list of zeros as
-    large as the list, for a loop that reads a layer's whole input sequence."""
+    """Zero gradients for a loop's TensorList outputs that a gradient is not asked for.
+
+    tf.gradients gives such an output zeros_like: a list of zeros as large as the list
+    (for a loop that reads a layer's whole input sequence and passes it on, the
+    sequence's size). An empty list (`_tf_private.empty_list_like`) is the same zero.
+
+    Args:
+      loop: a while_v2 loop op.
+      differentiated: its outputs the caller asks the gradient for.
+    Returns:
+      (ys, grad_ys): the other list outputs whose element dtype the graph says, and an
+      empty list for each, to add to the tf.gradients call.
+    """
     taken = TensorSet(differentiated)
     ys, grad_ys = [], []
     for t in loop.outputs:
@@ -250,10 +259,46 @@ def quiet_list_gradients(loop, differentiated):
     return ys, grad_ys
 
 
+def why_not_in_chunks(loop, body=None):
+    """Why a recomputing copy of while_v2 loop `loop` may not run in chunks, or None.
+
+    A chunked copy counts chunks with the loop's counter (its first variable) and each
+    chunk's loop counts from 0 (`_chunked_body`). That keeps the loop's iterations only
+    where the counter does nothing but count: the condition reads it only to compare it
+    with the maximum (the second variable), the body only to add 1 to it, as
+    tf.while_loop builds them; a loop imported from elsewhere may read it otherwise.
+
+    Args:
+      loop: a while_v2 loop op (`is_loop`).
+      body: its body graph where the caller read it already (`loop_body_to_read`).
+    Returns:
+      None, or a short reason.
+    """
+    shapes = _tf_private.loop_output_shapes(loop)
+    cond = _tf_private.loop_function_graph(loop, "cond", shapes)
+    if body is None:
+        body = _tf_private.loop_body_to_read(loop, shapes)
+    counter, maximum = cond.inputs[0], cond.inputs[1]
+    if any(c.type != "Less" or list(c.inputs) != [counter, maximum]
+           for c in counter.consumers()):
+        return "its condition reads the iteration counter otherwise than against the maximum"
+    if any(c.type not in ("Add", "AddV2") or _constant_value(c.inputs[1]) != 1
+           for c in body.inputs[0].consumers()):
+        return "its body reads the iteration counter otherwise than to count"
+    return None
+
+
+def _constant_value(t):
+    value = tf.get_static_value(t)
+    return None if value is None or value.ndim else int(value)
+
+
 def _counting_chunks(cond, chunk):
     """Makes loop condition graph `cond` read its counter, which counts chunks in the
-    chunked copy, as the iterations run before: `chunk` times it (every chunk but the
-    last runs whole, and the condition stops the loop after the last)."""
+    chunked copy, as the iterations run before it: `chunk` times it. Every chunk runs
+    whole but the last, after which the condition stops the loop: the last stops at
+    the maximum, or where the loop's own condition turns false (which this condition
+    then reads false too)."""
     counter = cond.inputs[0]
     readers = [(op, i) for op in counter.consumers()
                for i, t in enumerate(op.inputs) if t is counter]
@@ -264,8 +309,9 @@ def _counting_chunks(cond, chunk):
 
 
 def _chunk_cond(loop, shapes):
-    """`loop`'s condition graph, and besides: the counter below the second loop
-    variable (a chunk's loop is given there how many iterations it runs)."""
+    """The condition graph of a chunk's loop: `loop`'s condition, and the counter
+    below the second loop variable, which a chunk's loop is given as the number of
+    iterations it may run (`_chunked_body`)."""
     cond = _tf_private.loop_function_graph(loop, "cond", shapes)
     with cond.as_default():
         go_on = tf.logical_and(cond.outputs[0], cond.inputs[0] < cond.inputs[1])

@@ -75,7 +75,17 @@ def chunk_for(iterations, known, requested="auto", carries=0, lists=0):
     run of the loop for little (2 stacked Keras LSTMs, 100 steps, AMD EPYC: 30.0 MiB
     against 31.8, at 1.56x the step time of tf.gradients against 1.44x; one LSTM over
     400 steps, which outputs its last step only: 20.6 MiB against 63.2).
-    An int: at most the count."""
+    An int: at most the count.
+
+    Args:
+      iterations: the loop's iteration count (1 where unknown).
+      known: whether the graph says it.
+      requested: 'auto' or an int (memsave.recompute_loops' chunk).
+      carries: bytes of the carries a copy without chunks keeps.
+      lists: bytes of the TensorLists the loop reads and writes.
+    Returns:
+      Iterations per chunk (1: no chunks).
+    """
     if requested == "auto":
         if (not known or iterations < graph_loops.MIN_CHUNKED_ITERATIONS
                 or carries <= 2 * lists):
@@ -85,8 +95,9 @@ def chunk_for(iterations, known, requested="auto", carries=0, lists=0):
 
 
 def carries_kept(iterations, chunk):
-    """How many carries a copy's gradient holds at once: one per iteration, or with
-    chunks one per chunk start and one per iteration of the chunk being differentiated."""
+    """How many carries a copy's gradient holds at once, for `iterations` iterations in
+    chunks of `chunk`: one per iteration without chunks (chunk 1), else one per chunk
+    start and one per iteration of the chunk being differentiated."""
     if chunk <= 1:
         return iterations
     return -(-iterations // chunk) + min(chunk, iterations)
@@ -114,13 +125,14 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
     kept_by_copy, carried, requested = None, 0, chunk
     chunk = 1
     if core is not None:
-        shared = _held_by_lists(body)
+        shared = _held_by_lists(body, invariant)
         carried = sum(estimated_bytes(t, unknown_dim_size) for t in core.inputs
                       if t not in invariant and t not in shared and _is_data(t)
                       and not _is_constant(t))
         lists = sum(list_bytes(t, unknown_dim_size) for t in loop.inputs
                     if t.dtype == tf.variant)
-        chunk = chunk_for(count, iterations is not None, requested, count * carried, lists)
+        if graph_loops.why_not_in_chunks(loop, body) is None:
+            chunk = chunk_for(count, iterations is not None, requested, count * carried, lists)
         # (An output the body passes on unchanged is its input: no memory of its own.)
         outputs = sum(_output_bytes(loop, i, unknown_dim_size)
                       for i, t in enumerate(body.inputs[:len(loop.outputs)])
@@ -157,7 +169,7 @@ def _iterations(loop):
     return None
 
 
-def _held_by_lists(body):
+def _held_by_lists(body, invariant):
     """The body's tensors whose buffers a TensorList holds anyway, which the copy's
     gradient keeps at no cost: an element read from a list (TensorListGetItem shares the
     element), and a loop variable whose next value the body writes into a list at an
@@ -168,12 +180,20 @@ def _held_by_lists(body):
     for t_in, t_out in zip(body.inputs, body.outputs):
         while t_out.op.type == "Identity":
             t_out = t_out.op.inputs[0]
-        if any(c.type in ("TensorListSetItem", "TensorListPushBack")
-               and c.inputs[len(c.inputs) - 1] is t_out
-               and (c.type == "TensorListPushBack" or not _is_constant(c.inputs[1]))
-               for c in t_out.consumers()):
+        if any(_keeps_each_write(c, t_out, invariant) for c in t_out.consumers()):
             shared.add(t_in)
     return shared
+
+
+def _keeps_each_write(op, item, invariant):
+    """Whether `op` writes `item` into a TensorList that keeps it past the next write:
+    a push (inputs: list, item), or a set (inputs: list, index, item) at an index that
+    changes: neither a constant nor a loop invariant."""
+    if op.type == "TensorListPushBack":
+        return op.inputs[1] is item
+    index = op.inputs[1] if op.type == "TensorListSetItem" else None
+    return (index is not None and op.inputs[2] is item and not _is_constant(index)
+            and index not in invariant)
 
 
 def _output_bytes(loop, index, unknown_dim_size):
