@@ -13,7 +13,9 @@ stop_gradients, an intermediate x. Everything is float64, so rounding cannot hid
 a wrong rewrite. Graph kinds: tf.compat.v1 graphs (control flow v2, and v1
 control flow) and tf.function bodies.
 
-Every strategy is built with the rewrite forced (memsave.always_rewrite()): 'memory',
+Loops are recomputed (memsave.recompute_loops('always')) in chunks of 1, 2 or 3
+iterations, by the seed (`loop_chunk`). Every strategy is built with the rewrite forced
+(memsave.always_rewrite()): 'memory',
 'speed', 'collection', random checkpoint lists (with xs, ys and tensors off the
 path among them), and budgets. A graph passes when every gradient equals
 tf.gradients' (relative error <= 1e-12, memsave's tests' measure, or absolute error
@@ -325,6 +327,12 @@ def strategies_of(spec, lists):
 
 # -- checking it ------------------------------------------------------------------------------
 
+def loop_chunk(seed):
+    """The chunk a graph's loop copies run in (memsave.recompute_loops(chunk=)): 1, 2
+    or 3 iterations by the seed (its loops run BATCH or fewer)."""
+    return 1 + seed % 3
+
+
 def check(spec):
     """Builds and evaluates one spec. Returns a dict: status 'ok', 'mismatch' or 'crash',
     'refused' (strategies that refused a budget), and 'problems' (messages)."""
@@ -355,7 +363,7 @@ def check(spec):
             before_ops, before_calls = len(graph.get_operations()), calls.count
             try:
                 with warnings.catch_warnings(), memsave.always_rewrite(), \
-                        memsave.recompute_loops("always"):
+                        memsave.recompute_loops("always", chunk=loop_chunk(spec["seed"])):
                     warnings.simplefilter("ignore", memsave.MemsaveWarning)
                     got = memsave.gradients(ys, xs, checkpoints=checkpoints, **kwargs)
             except memsave.MemsaveError as error:
