@@ -90,3 +90,45 @@ def check_in_float64(name):
         (_, why), = reports[-1].loops
         assert why.startswith("recomputed in the backward pass (20 iterations, in chunks of 4)"), why
     assert all(v.dtype == tf.float64 for v in model.variables)
+
+
+def _recurrent_model(kind, steps, features, units):
+    import keras
+
+    layers = keras.layers
+    keras.utils.set_random_seed(1)
+    sequence = keras.Input((steps, features))
+    if kind == "gru":
+        x = layers.GRU(units)(sequence)
+    elif kind == "bidirectional":
+        x = layers.Bidirectional(layers.LSTM(units, return_sequences=True))(sequence)
+        x = layers.LSTM(units, go_backwards=True)(x)
+    else:  # masked: steps whose features are all 0 are skipped (a tf.where in the loop)
+        x = layers.LSTM(units)(layers.Masking(0.0)(sequence))
+    return keras.Model(sequence, layers.Dense(2)(x))
+
+
+@pytest.mark.parametrize("kind", ["gru", "bidirectional", "masked"])
+def test_keras_recurrent_layers_in_chunks_are_exact_in_float64(kind, float64_keras):
+    """Keras' GRU, a Bidirectional LSTM and a reversed one, a masked LSTM, each loop
+    recomputed in chunks of 3 over 13 steps (a last chunk of 1)."""
+    steps, batch, features = 13, 3, 4
+    model = _recurrent_model(kind, steps, features, units=5)
+    data = np.random.default_rng(0).standard_normal([batch, steps, features])
+    data[1, 9:] = 0.0
+    reports = []
+
+    @tf.function(autograph=False)
+    def step(x):
+        loss = tf.reduce_sum(tf.sin(model(x, training=True)))
+        expected = tf.gradients(loss, model.trainable_variables)
+        with memsave.always_rewrite(), memsave.recompute_loops("always", chunk=3):
+            got = memsave.gradients(loss, model.trainable_variables, checkpoints="memory")
+        reports.append(memsave.last_report())
+        return expected, got
+
+    expected, got = step(data)
+    assert_same_gradients([g.numpy() for g in expected], [g.numpy() for g in got],
+                          rtol=1e-12, atol=ATOL)
+    whys = [why for _, why in reports[-1].loops]
+    assert whys and all("in chunks of 3" in why for why in whys), whys
