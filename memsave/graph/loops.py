@@ -359,7 +359,9 @@ def _chunked_body(loop, source, core, needed, needed_ops, chunk, parallel, name)
     return body
 
 
-def _differentiable(t):
+def differentiable(t):
+    """Whether tf.gradients sends a gradient to tensor `t`: floating, complex, a
+    variable handle or a TensorList."""
     return t.dtype.is_floating or t.dtype.is_complex or t.dtype in (tf.variant, tf.resource)
 
 
@@ -379,23 +381,19 @@ def _with_chunk_gradient(inputs, run_chunk, passed, element_dtypes):
         again = run_chunk(local_inputs)
         ys, grad_ys = [], []
         for i, (t, dy) in enumerate(zip(again, output_gradients[:count])):
-            if i in passed and dy is not None and _differentiable(t):
+            if i in passed and dy is not None and differentiable(t):
                 ys.append(t)
                 grad_ys.append(dy)
             elif element_dtypes[i] is not None:
                 ys.append(t)
                 grad_ys.append(_tf_private.empty_list_like(t, element_dtypes[i]))
-        xs = [t for t in local_inputs if _differentiable(t)]
+        xs = [t for t in local_inputs if differentiable(t)]
         found = iter(_tf_gradients(ys, xs, grad_ys=grad_ys) if ys else [None] * len(xs))
-        return [None] * count + [next(found) if _differentiable(t) else None
+        return [None] * count + [next(found) if differentiable(t) else None
                                  for t in local_inputs]
 
-    gradient_name = _tf_private.unique_function_name("memsave_chunk_gradient")
-    tf.RegisterGradient(gradient_name)(chunk_gradient)
-    with tf.compat.v1.get_default_graph().gradient_override_map({"IdentityN": gradient_name}):
-        passed_through = tf.raw_ops.IdentityN(input=list(outputs) + list(inputs),
-                                              name="chunk_recomputed_in_gradient")
-    return passed_through[:count]
+    return _passed_with_gradient(outputs, inputs, chunk_gradient, "memsave_chunk_gradient",
+                                 "chunk_recomputed_in_gradient")
 
 
 def _needed_variables(cond, body, needed_outputs):
@@ -469,9 +467,17 @@ def _with_recompute_gradient(core):
         input_gradients = _tf_gradients(ys, local_inputs, grad_ys=grad_ys)
         return [None] * count + list(input_gradients)
 
-    gradient_name = _tf_private.unique_function_name("memsave_recompute_gradient")
-    tf.RegisterGradient(gradient_name)(recompute_gradient)
+    return _passed_with_gradient(core.outputs, core.inputs, recompute_gradient,
+                                 "memsave_recompute_gradient", "recomputed_in_gradient")
+
+
+def _passed_with_gradient(outputs, inputs, gradient, prefix, name):
+    """`outputs` passed through an IdentityN that also takes `inputs` (so the gradient
+    reaches them), its gradient `gradient` (registered under a new name starting with
+    `prefix`) in place of the identity's: what reads the result differentiates into
+    `gradient`, never into the ops that made `outputs`."""
+    gradient_name = _tf_private.unique_function_name(prefix)
+    tf.RegisterGradient(gradient_name)(gradient)
     with tf.compat.v1.get_default_graph().gradient_override_map({"IdentityN": gradient_name}):
-        passed = tf.raw_ops.IdentityN(input=list(core.outputs) + list(core.inputs),
-                                      name="recomputed_in_gradient")
-    return passed[:count]
+        passed = tf.raw_ops.IdentityN(input=list(outputs) + list(inputs), name=name)
+    return passed[:len(outputs)]

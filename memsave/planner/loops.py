@@ -237,9 +237,9 @@ def _kept_by_tensorflow(body, invariant):
     gradients of the ops between the body's differentiable inputs and outputs read,
     but constants, loop invariants and variable reads (which share the variable's
     buffer)."""
-    sources = [t for t in body.inputs if _differentiable(t)]
+    sources = [t for t in body.inputs if graph_loops.differentiable(t)]
     source_set = TensorSet(sources)
-    ends = [t.op for t in body.outputs if _differentiable(t)]
+    ends = [t.op for t in body.outputs if graph_loops.differentiable(t)]
     backward = get_backward_walk_ops(ends, inclusive=True)
     path = set(get_forward_walk_ops(sources, inclusive=True, within_ops=backward))
     kept, seen = [], TensorSet()
@@ -268,10 +268,6 @@ def _is_constant(t):
     """A body tensor of an op without inputs but a placeholder: TensorFlow's gradient
     makes such a constant again rather than keep it."""
     return not t.op.inputs and t.op.type != "Placeholder"
-
-
-def _differentiable(t):
-    return t.dtype.is_floating or t.dtype.is_complex or t.dtype in (tf.resource, tf.variant)
 
 
 def _is_data(t):
