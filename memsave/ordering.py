@@ -9,7 +9,7 @@ convolution gradients, ordered pairwise.
 
 import tensorflow as tf
 
-from memsave.graph import _tf_private
+from memsave.graph import _tf_private, calls
 from memsave.graph.reroute import reroute_ts
 from memsave.graph.select import tensor_key
 from memsave.region import estimated_bytes
@@ -87,10 +87,30 @@ def copies_that_run(copied_ops, made_before):
 
 
 def wait_for(cone, trigger_ops):
-    """The ops of `cone` that read nothing made within it wait for `trigger_ops`."""
+    """The ops of `cone` that read nothing made within it wait for `trigger_ops`
+    (through `done_ops`)."""
+    trigger_ops = done_ops(trigger_ops)
     for op in cone:
         if not any(t.op in cone for t in op.inputs):
             _tf_private.add_control_inputs(op, trigger_ops)
+
+
+def done_ops(ops):
+    """Ops that run once `ops` have made their outputs: each op itself, but a tf.function
+    call, for which identities of its outputs. TensorFlow inlines a call before the step
+    runs, and a control edge from it then waits for its control outputs only (its
+    stateful ops), not for its outputs: a copy waiting for a gradient a nested function
+    makes (its backward function's call) would run in the forward pass. Measured (AMD
+    EPYC, 24 nested calls, 5 segments): every segment's copies ran in the forward pass,
+    110 MiB, as much as tf.gradients', before this."""
+    result = []
+    for op in ops:
+        if not calls.is_call(op) or not op.outputs:
+            result.append(op)
+            continue
+        with op.graph.as_default(), op.graph.name_scope(None), op.graph.colocate_with(op):
+            result.extend(tf.identity(t, name=f"{op.name}_done").op for t in op.outputs)
+    return result
 
 
 def exclusive_cone(gradient, made_before, returned):

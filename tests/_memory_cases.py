@@ -270,3 +270,86 @@ def grouped_conv_stack(mode, layers=3, batch=8, size=4, channels=256):
     x = tf.constant(np.random.RandomState(0).standard_normal([batch, size, size, channels])
                     .astype(np.float32))
     return _measure(step, x)
+
+
+def keras_gpt(mode, blocks=2, batch=8, seq_len=128, d_model=64, heads=4, vocab=4000):
+    """A small GPT from Keras layers in tf.function: an `Embedding` (its gradient sparse),
+    causal `MultiHeadAttention` blocks with a GELU MLP, and a vocabulary head (a Dense's
+    MatMul and BiasAdd, whose kernel writes into the MatMul's buffer, then the sparse
+    cross-entropy, whose kernel writes its backprop into the logits' buffer): the head's
+    [batch, seq_len, vocab] logits are the step's largest tensors."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((seq_len,), dtype="int32")
+    x = keras.layers.Embedding(vocab, d_model)(tokens)
+    for _ in range(blocks):
+        normed = keras.layers.LayerNormalization()(x)
+        attended = keras.layers.MultiHeadAttention(heads, d_model // heads)(
+            normed, normed, use_causal_mask=True)
+        x = x + attended
+        hidden = keras.layers.Dense(4 * d_model, activation="gelu")(
+            keras.layers.LayerNormalization()(x))
+        x = x + keras.layers.Dense(d_model)(hidden)
+    net = keras.Model(tokens, keras.layers.Dense(vocab)(keras.layers.LayerNormalization()(x)))
+    weights = net.trainable_variables
+
+    @tf.function
+    def step(words, targets):
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            targets, net(words)))
+        return [tf.convert_to_tensor(g) for g in _gradient_fn(mode, [])(loss, weights)]
+
+    words = np.random.RandomState(0).randint(0, vocab, [batch, seq_len]).astype(np.int32)
+    return _measure(step, tf.constant(words), tf.constant(np.roll(words, -1, axis=1)))
+
+
+def nested_calls(mode, layers=24, batch=2048, width=256, read_outside=False):
+    """An MLP whose layers are calls of one nested tf.function (memsave copies a call
+    that is recomputed, and builds a call's gradient to see what it holds)."""
+    rng = np.random.RandomState(0)
+    weights = [tf.Variable(rng.standard_normal([width, width]).astype(np.float32) / 16)
+               for _ in range(layers)]
+
+    @tf.function(autograph=False)
+    def layer(h, w):
+        return tf.tanh(tf.matmul(h, w)) + 0.5 * h
+
+    @tf.function
+    def step(x):
+        h, marks = x, []
+        for i, w in enumerate(weights):
+            h = layer(h, tf.identity(w) if read_outside else w)
+            if i % 5 == 4:
+                marks.append(h)
+        return _gradient_fn(mode, marks)(tf.reduce_sum(h * h), weights)
+
+    return _measure(step, tf.constant(rng.uniform(-1, 1, [batch, width]).astype(np.float32)))
+
+
+def bfloat16_cnn(mode, blocks=6, batch=16, size=32, channels=16):
+    """Keras Conv2D-BatchNorm-ReLU blocks under the `mixed_bfloat16` policy (float32
+    weights read through Casts, bfloat16 activations) in tf.function."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        image = keras.Input((size, size, channels))
+        h = image
+        for _ in range(blocks):
+            h = keras.layers.Conv2D(channels, 3, padding="same")(h)
+            h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+        net = keras.Model(image, keras.layers.Dense(10, dtype="float32")(
+            keras.layers.GlobalAveragePooling2D()(h)))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    weights = net.trainable_variables
+
+    @tf.function
+    def step(x):
+        return _gradient_fn(mode, [])(tf.reduce_mean(net(x, training=True) ** 2), weights)
+
+    x = tf.constant(np.random.RandomState(0).standard_normal([batch, size, size, channels])
+                    .astype(np.float32))
+    return _measure(step, x)

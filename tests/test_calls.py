@@ -291,3 +291,64 @@ def test_the_model_counts_the_dense_filters_xla_holds_for_a_grouped_convolution(
     assert len(compiled) == 1 and "conv2d" in compiled[0]
     assert found[compiled[0]] == 2 * 7 * 7 * channels * channels * 4
     assert sum(found.values()) == found[compiled[0]]  # (nothing for the dense one)
+
+
+def test_the_model_counts_what_a_call_keeps_for_its_gradient_and_the_variable_it_reads():
+    """tf.gradients rewrites a call to also output what its backward function reads (the
+    tanh's output here, [32, 16] float64); the graph shows none of it before. The
+    variable the call reads is counted at its own size, not at the call's output's.
+    Building the forward function to see it adds nothing to the step's graph."""
+    from memsave import planner
+    from memsave.inputs import normalise_call
+    from memsave.region import ForwardRegion
+
+    variable = tf.Variable(RNG.standard_normal([16, 4]))  # (its own shape: not [32, 16])
+    layer = _layer(False)
+    found = {}
+
+    @tf.function(autograph=False)
+    def step(x):
+        h = layer(x, variable)
+        call = normalise_call([tf.reduce_sum(h)], [variable])
+        before = (len(h.graph.get_operations()), len(h.op.outputs))
+        graph = planner.model_of(ForwardRegion.build(call.ys, call.xs)).graph
+        found["held"] = dict(graph.held)
+        found["call"] = graph.op_id[h.op]
+        found["handle"] = graph.size[graph.id_of(h.op.inputs[1])]
+        found["unchanged"] = (before, (len(h.graph.get_operations()), len(h.op.outputs)))
+        return h
+
+    step.get_concrete_function(tf.constant(X[:, :16]))
+    assert found["held"] == {found["call"]: 32 * 4 * 8}  # (tanh(x @ v): [32, 4])
+    assert found["handle"] == 16 * 4 * 8
+    assert found["unchanged"][0] == found["unchanged"][1], found["unchanged"]
+
+
+def test_a_copy_waiting_for_a_gradient_a_call_makes_waits_for_its_outputs():
+    """TensorFlow inlines a call before the step runs; a control edge from the call then
+    waits for its stateful ops only. A segment's copies waiting for a gradient that a
+    nested function's backward call makes wait through identities of its outputs
+    (measured in test_memory: 24 nested calls, 110 MiB before, as tf.gradients')."""
+    weights = [tf.Variable(w) for w in W_VALUES]
+    marks = []
+
+    def forward(h):
+        for i, w in enumerate(weights):
+            h = _layer(False)(h, w) if i == 0 else _LAYER(h, w)
+            if i % 3 == 2:
+                marks.append(h)
+        return h
+
+    expected, got, graph, _ = _run_both(forward, weights, checkpoints=marks)
+    assert_same_gradients(expected, got, rtol=1e-12)
+    waiting = [op for op in graph.get_operations() if is_copy(op) or "memsave" in op.name]
+    controls = [c for op in waiting for c in op.control_inputs]
+    assert controls, "no copy waits for anything"
+    # (TensorFlow's own automatic control dependencies order the reads of a variable's
+    # handle after the forward calls reading it: not memsave's.)
+    made_by_memsave = [c for c in controls if c.name.startswith("memsave/")]
+    assert not any(calls.is_call(c) for c in made_by_memsave), [c.name for c in made_by_memsave]
+    assert any(c.type == "Identity" and calls.is_call(c.inputs[0].op) for c in made_by_memsave)
+
+
+_LAYER = _layer(False)

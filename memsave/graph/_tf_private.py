@@ -140,6 +140,19 @@ def _as_inference_call(attrs, outputs, name, count):
     return attrs, outputs[:count]
 
 
+def call_gradient_intermediates(op):
+    """The outputs tf.gradients rewrites tf.function call op `op` to make beyond its own
+    (what its backward function reads), as tensors of the forward function TensorFlow
+    builds and caches for that gradient; None where `op` has no such gradient or has
+    been rewritten already. Nothing is added to `op`'s graph."""
+    delayed = getattr(op._gradient_function, "__self__", None)
+    if not hasattr(delayed, "forward_backward") or _inference_call(op) is not None:
+        return None
+    forward, _ = delayed.forward_backward(len(op.outputs))
+    graph = getattr(forward, "graph", None)
+    return None if graph is None else list(graph.outputs[len(op.outputs):])
+
+
 def function_definition(graph, name):
     """The FunctionDef named `name` in `graph`'s function library (or an outer graph's),
     or None where there is none."""
@@ -428,9 +441,17 @@ def compiled_by_xla(call):
 def resource_value_shape(handle):
     """The static shape of the value a resource tensor (a variable's handle) holds, as its
     handle data says, or None."""
+    value = resource_value(handle)
+    return None if value is None else value[0]
+
+
+def resource_value(handle):
+    """(static shape, dtype) of the value a resource tensor (a variable's handle, or a
+    function's placeholder capturing one) holds, as its handle data says, or None."""
     from tensorflow.python.framework import tensor_shape
     from tensorflow.python.ops import handle_data_util
     data = handle_data_util.get_resource_handle_data(handle)
     if data is None or not data.is_set or not data.shape_and_type:
         return None
-    return tensor_shape.TensorShape(data.shape_and_type[0].shape)
+    shape_and_type = data.shape_and_type[0]
+    return tensor_shape.TensorShape(shape_and_type.shape), dtypes.as_dtype(shape_and_type.dtype)

@@ -14,8 +14,9 @@ import tensorflow as tf
 
 from memsave.environment import Environment
 from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
+from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
-from memsave.planner import costs, custom_gradients, opinfo, xla_buffers
+from memsave.planner import call_gradients, costs, custom_gradients, opinfo, xla_buffers
 from memsave.planner.loops import list_bytes, loop_memory, recomputed
 from memsave.region import estimated_bytes
 
@@ -79,6 +80,9 @@ class StepGraph:
         (memsave.planner.custom_gradients), or, where that fails, it reads everything.
         An op none of whose outputs gets a gradient (a custom gradient's forward ops)
         has none: its grad_reads, grad_inputs and grad_temporaries are empty.
+      held: op id -> bytes its gradient keeps of its forward run that no tensor of the
+        graph shows, from the op (or its recomputed copy) to its gradient: a
+        tf.function call's intermediates (memsave.planner.call_gradients).
       boundaries: ids of the region tensors every plan keeps (segments end there), so
         that each op's gradient is taken once, with its whole gradient (memsave.backward):
         those that ops which are not recomputed read (floating, complex or variant: a
@@ -119,6 +123,7 @@ class StepGraph:
         self.deferred_tensors = set()
         self.workspaces = set()
         self.custom_gradient_ops = set()
+        self.held = {}
         self.largest_bytes = 0
         self.small_bytes = 0
         self.small = frozenset()
@@ -229,25 +234,29 @@ class StepGraph:
             elif op.type == "IdentityN" and len(self.inputs[index]) == len(op.inputs):
                 for source, tid in zip(self.inputs[index], self.outputs[index]):
                     self.alias_of[tid] = source
-        self._link_forwarded_outputs()
         self._link_gradients_into_outputs()
         stops = set()
         for index, op in enumerate(self.ops):
             if self.kind[index] in (REGION, KEPT):
                 self._link_gradient(index, op, region, stops)
         self._drop_gradients_nothing_reaches()
+        self._link_forwarded_outputs()  # (after the gradients: what they read is kept)
 
     def _link_forwarded_outputs(self):
         """An output the kernel writes into an input's buffer (opinfo.FORWARDED_OUTPUTS)
         shares it, where that input, and every tensor sharing its buffer (a reshape of
-        the logits), is read by the next alone, and it is made in the step."""
+        the logits), is read by the next alone, by no gradient, and it is made in the
+        step. (Whether a plan keeps that buffer for a later segment is the memory
+        model's to check: MemoryModel's unforwardable outputs.)"""
+        read_by_gradients = {t for reads in self.grad_reads for t in reads}
         for index, op in enumerate(self.ops):
             forwarded = opinfo.FORWARDED_OUTPUTS.get(op.type)
             if forwarded is None or len(self.inputs[index]) != len(op.inputs):
                 continue
             read, out = self.inputs[index][forwarded[0]], self.outputs[index][forwarded[1]]
             reader, source = index, read
-            while self.consumers[source] == [reader] and not self.is_y[source]:
+            while (self.consumers[source] == [reader] and not self.is_y[source]
+                   and source not in read_by_gradients):
                 if self.alias_of[source] < 0:  # (the buffer's owner: a reshape of it may be read)
                     if self.kind[self.producer[source]] != RESIDENT:
                         self.alias_of[out] = read
@@ -278,18 +287,24 @@ class StepGraph:
                 pending.extend(t for t, _ in self.grad_inputs[op])
         for index in range(len(self.ops)):
             if index not in active:
+                self.held.pop(index, None)
                 self.grad_reads[index], self.grad_inputs[index] = [], []
                 self.grad_temporaries[index] = 0
                 self.rewrite_grad_temporaries.pop(index, None)
 
     def _link_variable_read(self, index, op):
-        """A variable's bytes belong to its handle, which lives for the whole step."""
+        """A variable's bytes belong to its handle, which lives for the whole step: the
+        value its handle data describes, else (no shape there) what a ReadVariableOp of
+        it reads. (Not what another reader makes: a call's output, a gather's rows.)"""
         for t in op.inputs:
-            if t.dtype == tf.resource and self.outputs[index]:
-                handle = self.tensor_id.get((t.op, t.value_index))
-                out = self.outputs[index][0]
-                if handle is not None and self.size[handle] == 0:
-                    self.size[handle] = self.size[out]
+            handle = self.tensor_id.get((t.op, t.value_index))
+            if t.dtype != tf.resource or handle is None or self.size[handle]:
+                continue
+            value = _tf_private.resource_value(t)
+            if value is not None and value[0].is_fully_defined():
+                self.size[handle] = value[0].num_elements() * value[1].size
+            elif op.type == "ReadVariableOp" and self.outputs[index]:
+                self.size[handle] = self.size[self.outputs[index][0]]
 
     def _link_gradient(self, index, op, region, stops):
         """What the gradient of op `index` reads, where it sends gradients, and its
@@ -341,6 +356,9 @@ class StepGraph:
                 op.type, [self.size[t] for t in ins], self.size[outs[0]], differentiated)
         if self.xla_cpu:
             self.grad_temporaries[index] += xla_buffers.gradient_temporary_bytes(op)
+        held = call_gradients.held_bytes(op, self.unknown_dim_size) if differentiated else 0
+        if held:
+            self.held[index] = held
         if self.conv_threads:
             for_filter, for_input = opinfo.conv_gradient_workspace(
                 op, differentiated, self.conv_threads)

@@ -114,6 +114,17 @@ class Prediction:
         return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
 
 
+@dataclasses.dataclass
+class _ForwardPass:
+    """One simulated forward pass: its timeline, each tensor's buffer in it, each loop's
+    buffer of what TensorFlow's gradient keeps of it, and each op's of what its
+    gradient keeps that no tensor shows (StepGraph.held: a call's intermediates)."""
+    timeline: "_Timeline"
+    buffers: Optional[list]
+    loop_buffers: dict
+    held_buffers: dict = dataclasses.field(default_factory=dict)  # op id -> StepGraph.held's
+
+
 class _Timeline:
     """Steps and buffers; the peak is found with one difference-array pass."""
 
@@ -242,10 +253,11 @@ class MemoryModel:
         self._last = (None, None, None)  # (key, timeline, segmentation) simulated last
         self._expected = _contribution_counts(graph)
         self._resident = graph.resident_bytes()
-        # The forward pass is the same for every plan: simulated once, copied per plan.
-        self._forward_template = _Timeline()
+        # The forward pass is the same for every plan but where a plan keeps the buffer
+        # a kernel would write into (_unforwardable): simulated once per such set.
+        self._forward_passes = {}  # frozenset of unforwardable outputs -> _ForwardPass
         self._loop_buffers = {}  # loop op id -> what TensorFlow's gradient keeps of it
-        self._forward_buffers = self._forward(self._forward_template)
+        self._held_buffers = {}  # op id -> what its gradient keeps that no tensor shows
         self._rewriting = False
         self._recomputed_loops = frozenset(graph.recomputed_loops())
 
@@ -331,6 +343,8 @@ class MemoryModel:
         graph = self.graph
         if owner < 0 and kind == "loop":
             return f"what the gradient of loop {graph.ops[-owner - 1].name} keeps per iteration"
+        if owner < 0 and kind in ("forward", "recomputed"):
+            return f"what the gradient of {graph.ops[-owner - 1].name} keeps of its run"
         if owner < 0:
             return f"temporaries of the gradient of {graph.ops[-owner - 1].name}"
         name = graph.tensors[owner].name
@@ -339,7 +353,11 @@ class MemoryModel:
     # -- simulation ---------------------------------------------------------------
     def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
                   replay=False, ahead=False):
-        graph, timeline = self.graph, self._forward_template.copy()
+        graph = self.graph
+        forward_pass = self._forward_pass(self._unforwardable(segmentation))
+        timeline, forward = forward_pass.timeline.copy(), forward_pass.buffers
+        self._loop_buffers = forward_pass.loop_buffers
+        self._held_buffers = forward_pass.held_buffers
         self._last = (key, timeline, segmentation)
         self._rewriting = segmentation is not None
         if self._rewriting:
@@ -347,7 +365,11 @@ class MemoryModel:
             # themselves keep nothing for the backward pass.
             for op in self._recomputed_loops:
                 timeline.bytes[self._loop_buffers[op]] = 0
-        forward = self._forward_buffers
+            # Nor do the ops whose gradients are taken of their recomputed copies.
+            for ops in segmentation.ops.values():
+                for op in ops:
+                    if op in self._held_buffers:
+                        timeline.bytes[self._held_buffers[op]] = 0
         gradients = _Gradients(graph, timeline, self._expected)
         start = timeline.step(("seed", None, None))
         for tid, is_y in enumerate(graph.is_y):
@@ -393,8 +415,41 @@ class MemoryModel:
         return {"allocator_peak_bytes": held,
                 "allocator_peak_at": self.describe(timeline.labels[at], segmentation)}
 
-    def _forward(self, timeline):
-        """Runs every forward op; returns the buffer of each tensor."""
+    def _forward_pass(self, unforwardable):
+        """The forward pass where the kernels of `unforwardable` (forwarded outputs)
+        allocate their outputs: simulated once per set, copied per plan."""
+        forward_pass = self._forward_passes.get(unforwardable)
+        if forward_pass is None:
+            forward_pass = _ForwardPass(_Timeline(), None, {})
+            forward_pass.buffers = self._forward(forward_pass.timeline, unforwardable,
+                                                 forward_pass.loop_buffers,
+                                                 forward_pass.held_buffers)
+            self._forward_passes[unforwardable] = forward_pass
+        return forward_pass
+
+    def _unforwardable(self, segmentation):
+        """The forwarded outputs (StepGraph.forwarded) whose input's buffer the plan
+        keeps for later (a checkpoint shares it): TensorFlow forwards a buffer only
+        where nothing else will read it, so their kernels allocate."""
+        graph = self.graph
+        if segmentation is None or not graph.forwarded:
+            return frozenset()
+        unforwardable = set()
+        for out in sorted(graph.forwarded):  # (producers first: a chain stops at one)
+            tid = graph.alias_of[out]
+            while tid >= 0:
+                if tid in segmentation.checkpoints:
+                    unforwardable.add(out)
+                    break
+                if tid in unforwardable:
+                    break
+                tid = graph.alias_of[tid]
+        return frozenset(unforwardable)
+
+    def _forward(self, timeline, unforwardable, loop_buffers, held_buffers):
+        """Runs every forward op; returns the buffer of each tensor (and fills
+        `loop_buffers`: loop op id -> what TensorFlow's gradient keeps of it, and
+        `held_buffers`: op id -> what its gradient keeps that no tensor shows)."""
         graph = self.graph
         buffers = [None] * len(graph.tensors)
         for op, kind in enumerate(graph.kind):
@@ -403,7 +458,7 @@ class MemoryModel:
                 timeline.use(buffers[tid], step)
             for tid in graph.outputs[op]:
                 source = graph.alias_of[tid]
-                if source >= 0 and buffers[source] is not None:
+                if source >= 0 and buffers[source] is not None and tid not in unforwardable:
                     buffers[tid] = buffers[source]
                 else:
                     buffers[tid] = timeline.buffer(
@@ -411,8 +466,10 @@ class MemoryModel:
                         tid, _FOREVER if kind == RESIDENT else None)
             loop = graph.loops.get(op)
             if loop is not None:
-                self._loop_buffers[op] = timeline.buffer(
+                loop_buffers[op] = timeline.buffer(
                     step, loop.kept_by_tensorflow, "loop", -(op + 1))
+            if op in graph.held:
+                held_buffers[op] = timeline.buffer(step, graph.held[op], "forward", -(op + 1))
         return buffers
 
     def _gradient_step(self, op, buffers, gradients, timeline, label, deferred=None):
@@ -423,6 +480,10 @@ class MemoryModel:
         step = timeline.step(label)
         incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
         reads = [buffers[tid] for tid in graph.grad_reads[op]]
+        held = (buffers.held(op) if isinstance(buffers, _Overlay)
+                else self._held_buffers.get(op))
+        if held is not None:
+            reads.append(held)
         for buffer in reads:
             timeline.use(buffer, step)
         temporaries = graph.grad_temporaries[op]
@@ -542,6 +603,9 @@ class MemoryModel:
                     local[tid] = local.get(source, forward[source])
                 else:
                     local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
+            if op in graph.held:
+                local[_held_key(op)] = timeline.buffer(step, graph.held[op], "recomputed",
+                                                       -(op + 1))
         return local, cost
 
     def _offloaded_reads(self, ops, executed, offloaded):
@@ -619,6 +683,12 @@ def _plan_key(checkpoints, offloaded=(), prefetch=1, flops_per_byte=0, read_chec
             bool(recompute_ahead))
 
 
+def _held_key(op):
+    """A segment's key (beside its tensor ids) of what op `op`'s gradient keeps of its
+    recomputed copy's run (StepGraph.held)."""
+    return -(op + 1)
+
+
 class _Overlay:
     """Recomputed buffers of a segment over the forward ones; tensors that
     `reads_forward(tid)` says the gradients read from the forward pass come from there."""
@@ -633,3 +703,8 @@ class _Overlay:
             return self.forward[tid]
         buffer = self.local.get(tid)
         return self.forward[tid] if buffer is None else buffer
+
+    def held(self, op):
+        """The buffer of what op `op`'s gradient keeps of its copy's run (StepGraph.held),
+        or None."""
+        return self.local.get(_held_key(op))

@@ -78,12 +78,12 @@ ALIAS_OP_TYPES = frozenset([
 
 # Outputs a kernel writes into an input's buffer when nothing else reads that input
 # (OpKernelContext::forward_input_or_allocate_output): op type -> (input, output). The
-# sparse cross-entropy's backprop takes the logits' buffer (a language model's largest).
-# (A BiasAdd forwards its input too; counting it brought the GPT benchmark's tf.gradients
-# prediction from +17% to +8%, but the 'memory' plan chosen with it measured 0.37x of
-# tf.gradients' peak, predicted -19%, where the plan chosen without it measures 0.34x:
-# not counted until the model knows why.)
-FORWARDED_OUTPUTS = {"SparseSoftmaxCrossEntropyWithLogits": (0, 1)}
+# sparse cross-entropy's backprop takes the logits' buffer (a language model's largest),
+# a BiasAdd its input's (a Dense head's matmul output): the GPT benchmark's tf.gradients
+# prediction went from +17% to +8% with it (AMD EPYC). No kernel does so where the plan
+# keeps that input for a later segment (MemoryModel._unforwardable): counted anyway, the
+# 'memory' plan chosen kept the head's matmul output, predicted -19%.
+FORWARDED_OUTPUTS = {"SparseSoftmaxCrossEntropyWithLogits": (0, 1), "BiasAdd": (0, 0)}
 
 # Gradients written into the buffer of an output of the op that only they read: op type
 # -> (input, output). The sparse cross-entropy's gradient is its backprop output times
