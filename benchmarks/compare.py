@@ -64,11 +64,12 @@ MEMSAVE_STRATEGIES = ("speed", "memory", "collection")
 # Mirrors of models.py, so the parser needs no TensorFlow (a test checks they agree):
 # every model, those whose forward pass marks checkpoints, those built from Keras layers,
 # the mixed-precision policies.
-MODELS = ("cnn", "mlp", "transformer", "keras", "vit", "gpt", "lstm")
-MARKING_MODELS = ("cnn", "mlp", "transformer")
+MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "lstm")
+MARKING_MODELS = ("cnn", "mlp", "calls", "transformer")
 KERAS_MODELS = ("keras", "vit", "gpt", "lstm")
 MIXED_PRECISION = ("float16", "bfloat16")
 DEFAULT_SWEEP_DEPTHS = {"cnn": (6, 12, 24, 48, 81), "mlp": (8, 16, 32, 64, 128),
+                        "calls": (8, 16, 32, 64),
                         "transformer": (2, 4, 8, 16, 32), "keras": (0,), "vit": (2, 4, 8, 16),
                         "gpt": (2, 4, 6, 12), "lstm": (1, 2, 4)}
 CHILD_TARGET = "benchmarks.compare:measure_config"
@@ -766,6 +767,7 @@ def _title(rows, args_line):
 PREDICT_FAMILIES = (
     ("default CNN", "cnn", None, None, {}),
     ("MLP", "mlp", None, None, {}),
+    ("nested tf.function calls", "calls", None, None, {}),
     ("transformer (own ops)", "transformer", None, None, {}),
     ("Keras ResNet50 96 px", "keras", None, 16, {"app": "ResNet50", "image_size": 96}),
     ("Keras ResNet50 96 px, mixed_bfloat16", "keras", None, 16,

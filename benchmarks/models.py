@@ -14,6 +14,8 @@ Models (the `--model` flag of compare.py):
   the default, 81, has the depth of ResNet-164 (with basic blocks): deep enough that
   activations, not weights, dominate memory, and one step takes about a second.
 - ``mlp``: `depth` dense tanh layers of equal width.
+- ``calls``: the MLP's layers as calls of one nested `tf.function` (reading its weights
+  as variables), as a model built from `tf.function`s runs.
 - ``transformer``: token embedding, then `depth` pre-LayerNorm encoder blocks
   (multi-head self-attention and a ReLU MLP, each with a residual), a vocabulary head.
 - ``keras``: a `keras.applications` model (ResNet50 by default, MobileNetV2 and others by
@@ -36,12 +38,13 @@ import tensorflow as tf
 
 import memsave
 
-MODELS = ("cnn", "mlp", "transformer", "keras", "vit", "gpt", "lstm")
+MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "lstm")
 
 # Per-model defaults, sized so one step takes well under a second on 2 CPU cores.
 DEFAULTS = {
     "cnn": {"depth": 81, "batch": 32},
     "mlp": {"depth": 36, "batch": 2048},
+    "calls": {"depth": 36, "batch": 2048},
     "transformer": {"depth": 8, "batch": 16},
     "keras": {"depth": 0, "batch": 16},
     "vit": {"depth": 8, "batch": 32},
@@ -221,6 +224,39 @@ def build_mlp(depth=36, batch=2048, seed=0, width=256, classes=10):
     labels = rng.integers(0, classes, size=[batch]).astype(np.int32)
     description = f"MLP: {depth} tanh layers of width {width}, batch {batch}"
     return BenchModel("mlp", description, variables, (features, labels), forward, True)
+
+
+def build_calls(depth=36, batch=2048, seed=0, width=256, classes=10):
+    """The MLP's `depth` layers, each a call of one nested tf.function that reads its
+    weights as variables (a StatefulPartitionedCall, which TensorFlow inlines before the
+    step runs)."""
+    if depth < 1:
+        raise ValueError(f"calls needs depth >= 1 layers, got {depth}")
+    init = _Init(seed)
+    every = _sqrt_spacing(depth)
+    layers = [(init.variable([width, width], scale=1.0 / math.sqrt(width), name="dense"),
+               init.variable([width], value=0.0, name="bias")) for _ in range(depth)]
+    head_w = init.variable([width, classes], fan_in=width, name="fc")
+    variables = [v for layer in layers for v in layer] + [head_w]
+
+    @tf.function(autograph=False)
+    def layer(x, w, b):
+        return tf.tanh(tf.matmul(x, w) + b)
+
+    def forward(model, features, labels):
+        x = features
+        for index, (w, b) in enumerate(layers):
+            x = _mark_every(model, layer(x, w, b), index, every)
+        logits = tf.matmul(x, head_w)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                                             logits=logits))
+
+    rng = np.random.default_rng(seed + 1)
+    features = rng.standard_normal([batch, width]).astype(np.float32)
+    labels = rng.integers(0, classes, size=[batch]).astype(np.int32)
+    description = (f"nested calls: {depth} calls of a tf.function tanh layer of width {width}, "
+                   f"batch {batch}")
+    return BenchModel("calls", description, variables, (features, labels), forward, True)
 
 
 # ----------------------------------------------------------------------------- transformer
@@ -483,7 +519,8 @@ def build_lstm(depth=2, batch=64, seed=0, seq_len=100, units=256, features=32, c
     return _keras_layer_model("lstm", net, inputs, description, _sparse_cross_entropy)
 
 
-BUILDERS = {"cnn": build_cnn, "mlp": build_mlp, "transformer": build_transformer,
+BUILDERS = {"cnn": build_cnn, "mlp": build_mlp, "calls": build_calls,
+            "transformer": build_transformer,
             "keras": build_keras, "vit": build_vit, "gpt": build_gpt, "lstm": build_lstm}
 # Models built from Keras layers (keras.RematScope applies to them).
 KERAS_MODELS = ("keras", "vit", "gpt", "lstm")

@@ -25,6 +25,7 @@ from memsave import measure  # noqa: E402
 TINY = {
     "cnn": {"depth": 2, "batch": 2, "image_size": 8},
     "mlp": {"depth": 3, "batch": 4, "width": 8},
+    "calls": {"depth": 3, "batch": 4, "width": 8},
     "transformer": {"depth": 2, "batch": 2, "seq_len": 8, "d_model": 16, "heads": 2, "d_ff": 16,
                     "vocab": 20},
 }

@@ -141,16 +141,20 @@ def _as_inference_call(attrs, outputs, name, count):
 
 
 def call_gradient_intermediates(op):
-    """The outputs tf.gradients rewrites tf.function call op `op` to make beyond its own
-    (what its backward function reads), as tensors of the forward function TensorFlow
-    builds and caches for that gradient; None where `op` has no such gradient or has
-    been rewritten already. Nothing is added to `op`'s graph."""
+    """(its own outputs, the outputs beyond them) of the forward function tf.gradients
+    rewrites tf.function call op `op` to call (the latter: what its backward function
+    reads), as tensors of that function, which TensorFlow builds and caches for the
+    gradient; None where `op` has no such gradient or has been rewritten already.
+    Nothing is added to `op`'s graph."""
     delayed = getattr(op._gradient_function, "__self__", None)
     if not hasattr(delayed, "forward_backward") or _inference_call(op) is not None:
         return None
     forward, _ = delayed.forward_backward(len(op.outputs))
     graph = getattr(forward, "graph", None)
-    return None if graph is None else list(graph.outputs[len(op.outputs):])
+    if graph is None:
+        return None
+    count = len(op.outputs)
+    return list(graph.outputs[:count]), list(graph.outputs[count:])
 
 
 def function_definition(graph, name):

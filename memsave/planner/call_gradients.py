@@ -37,17 +37,26 @@ def held_bytes(op, unknown_dim_size=1):
     if not calls.is_call(op):
         return 0
     try:
-        intermediates = _tf_private.call_gradient_intermediates(op)
+        outputs = _tf_private.call_gradient_intermediates(op)
     except Exception as error:  # (TensorFlow's own tracing of a user's function)
         logger.debug("memsave: cannot build the forward function of %s's gradient (%s: %s); "
                      "counting none of its intermediates", op.name, type(error).__name__, error)
         return 0
-    return sum(estimated_bytes(t, unknown_dim_size) for t in intermediates or ()
-               if _source_type(t) not in _NO_BUFFER_OF_THEIR_OWN)
+    if outputs is None:
+        return 0
+    own, intermediates = outputs
+    # (What shares an output's buffer, the tanh a call returns, is held as that output.)
+    returned = {_buffer_owner(t).ref() for t in own}
+    owners = {}
+    for t in intermediates:
+        owner = _buffer_owner(t)
+        if owner.op.type not in _NO_BUFFER_OF_THEIR_OWN and owner.ref() not in returned:
+            owners[owner.ref()] = owner
+    return sum(estimated_bytes(t, unknown_dim_size) for t in owners.values())
 
 
-def _source_type(t):
-    """The type of the op whose buffer `t` shares (through identities and reshapes)."""
+def _buffer_owner(t):
+    """The tensor whose buffer `t` shares (through identities and reshapes)."""
     while t.op.type in opinfo.ALIAS_OP_TYPES and t.op.inputs:
         t = t.op.inputs[0]
-    return t.op.type
+    return t
