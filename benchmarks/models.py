@@ -202,46 +202,31 @@ def build_cnn(depth=81, batch=32, seed=0, width=16, image_size=32, classes=10):
 
 def build_mlp(depth=36, batch=2048, seed=0, width=256, classes=10):
     """`depth` dense tanh layers of `width` units on synthetic features."""
-    if depth < 1:
-        raise ValueError(f"mlp needs depth >= 1 layers, got {depth}")
-    init = _Init(seed)
-    every = _sqrt_spacing(depth)
-    layers = [(init.variable([width, width], scale=1.0 / math.sqrt(width), name="dense"),
-               init.variable([width], value=0.0, name="bias")) for _ in range(depth)]
-    head_w = init.variable([width, classes], fan_in=width, name="fc")
-    variables = [v for layer in layers for v in layer] + [head_w]
-
-    def forward(model, features, labels):
-        x = features
-        for index, (w, b) in enumerate(layers):
-            x = _mark_every(model, tf.tanh(tf.matmul(x, w) + b), index, every)
-        logits = tf.matmul(x, head_w)
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                                             logits=logits))
-
-    rng = np.random.default_rng(seed + 1)
-    features = rng.standard_normal([batch, width]).astype(np.float32)
-    labels = rng.integers(0, classes, size=[batch]).astype(np.int32)
-    description = f"MLP: {depth} tanh layers of width {width}, batch {batch}"
-    return BenchModel("mlp", description, variables, (features, labels), forward, True)
+    return _dense_tanh_layers("mlp", lambda x, w, b: tf.tanh(tf.matmul(x, w) + b), depth,
+                              batch, seed, width, classes,
+                              f"MLP: {depth} tanh layers of width {width}, batch {batch}")
 
 
 def build_calls(depth=36, batch=2048, seed=0, width=256, classes=10):
     """The MLP's `depth` layers, each a call of one nested tf.function that reads its
     weights as variables (a StatefulPartitionedCall, which TensorFlow inlines before the
     step runs)."""
+    layer = tf.function(lambda x, w, b: tf.tanh(tf.matmul(x, w) + b), autograph=False)
+    return _dense_tanh_layers("calls", layer, depth, batch, seed, width, classes,
+                              f"nested calls: {depth} calls of a tf.function tanh layer of "
+                              f"width {width}, batch {batch}")
+
+
+def _dense_tanh_layers(name, layer, depth, batch, seed, width, classes, description):
+    """`depth` layers `layer(x, w, b)` of `width` units, a softmax head, synthetic data."""
     if depth < 1:
-        raise ValueError(f"calls needs depth >= 1 layers, got {depth}")
+        raise ValueError(f"{name} needs depth >= 1 layers, got {depth}")
     init = _Init(seed)
     every = _sqrt_spacing(depth)
     layers = [(init.variable([width, width], scale=1.0 / math.sqrt(width), name="dense"),
                init.variable([width], value=0.0, name="bias")) for _ in range(depth)]
     head_w = init.variable([width, classes], fan_in=width, name="fc")
-    variables = [v for layer in layers for v in layer] + [head_w]
-
-    @tf.function(autograph=False)
-    def layer(x, w, b):
-        return tf.tanh(tf.matmul(x, w) + b)
+    variables = [v for pair in layers for v in pair] + [head_w]
 
     def forward(model, features, labels):
         x = features
@@ -254,9 +239,7 @@ def build_calls(depth=36, batch=2048, seed=0, width=256, classes=10):
     rng = np.random.default_rng(seed + 1)
     features = rng.standard_normal([batch, width]).astype(np.float32)
     labels = rng.integers(0, classes, size=[batch]).astype(np.int32)
-    description = (f"nested calls: {depth} calls of a tf.function tanh layer of width {width}, "
-                   f"batch {batch}")
-    return BenchModel("calls", description, variables, (features, labels), forward, True)
+    return BenchModel(name, description, variables, (features, labels), forward, True)
 
 
 # ----------------------------------------------------------------------------- transformer
