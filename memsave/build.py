@@ -257,7 +257,9 @@ class _Builder:
         dependency on `trigger` (or the previous segment's) as well (see `_xla_gate`).
         """
         local_inputs = backward.segment_reads(ops, self.region, self.checkpoints)
-        self.triggers.append(trigger_ops)
+        # (Identities of a call's outputs, made before the copies: a segment reroutes the
+        # readers of the tensors it recomputes that are made after its copies.)
+        self.triggers.append(ordering.done_ops(trigger_ops))
         self.trigger_tensors.append(trigger)
         wait = -2 if self.plan.recomputes_ahead and len(self.triggers) > 1 else -1
         with tf.name_scope(label):
