@@ -36,7 +36,6 @@ from typing import Optional
 
 import tensorflow as tf
 
-from memsave import ordering
 from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.planner.costs import DEFAULT_FLOPS_PER_BYTE, DEFAULT_MIN_BYTES, DEFAULT_PREFETCH
 from memsave.region import estimated_bytes
@@ -155,9 +154,9 @@ class Offloader:
         return self._out[t.name]
 
     def copy_back(self, t, wait_for):
-        """A copy of `t` on its own device that leaves the host only after the ops `wait_for`."""
+        """A copy of `t` on its own device that leaves the host only after the ops `wait_for`
+        (a segment's trigger: memsave.ordering.done_ops, so never a call)."""
         host_copy = self.copy_out(t)
-        wait_for = ordering.done_ops(wait_for)
         with _uncolocated(), tf.device(_host(t, self.options)), tf.control_dependencies(wait_for):
             staged = tf.raw_ops.Snapshot(input=host_copy, name="offload_staged")
         graph = tf.compat.v1.get_default_graph()

@@ -120,9 +120,9 @@ class _ForwardPass:
     buffer of what TensorFlow's gradient keeps of it, and each op's of what its
     gradient keeps that no tensor shows (StepGraph.held: a call's intermediates)."""
     timeline: "_Timeline"
-    buffers: Optional[list]
+    buffers: list
     loop_buffers: dict
-    held_buffers: dict = dataclasses.field(default_factory=dict)  # op id -> StepGraph.held's
+    held_buffers: dict
 
 
 class _Timeline:
@@ -420,10 +420,9 @@ class MemoryModel:
         allocate their outputs: simulated once per set, copied per plan."""
         forward_pass = self._forward_passes.get(unforwardable)
         if forward_pass is None:
-            forward_pass = _ForwardPass(_Timeline(), None, {})
-            forward_pass.buffers = self._forward(forward_pass.timeline, unforwardable,
-                                                 forward_pass.loop_buffers,
-                                                 forward_pass.held_buffers)
+            timeline, loop_buffers, held_buffers = _Timeline(), {}, {}
+            buffers = self._forward(timeline, unforwardable, loop_buffers, held_buffers)
+            forward_pass = _ForwardPass(timeline, buffers, loop_buffers, held_buffers)
             self._forward_passes[unforwardable] = forward_pass
         return forward_pass
 
