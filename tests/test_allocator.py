@@ -74,6 +74,25 @@ def test_a_growing_allocator_holds_a_whole_region_for_a_tensor_over_half_of_it()
     assert _peak([(None, 9, MiB), (0, 0, MiB)], 1) == 2 * MiB
 
 
+def test_a_buffer_of_many_allocations_holds_no_oversized_chunk():
+    # Step 0: A (1.5 MiB) then K (256 B, kept); A freed: a 1.5 MiB hole. Step 1: C (1 MiB)
+    # then E (1 MiB). As one chunk, C takes the hole whole (less than twice it); as two
+    # allocations of 0.5 MiB (a TensorList of two elements) each splits it, and the
+    # allocator holds only what is asked for.
+    buffers = [(0, 0, 3 * MiB // 2), (0, 2, 256), (1, 1, MiB), (1, 1, MiB)]
+    starts, ends, sizes = ([b[i] for b in buffers] for i in range(3))
+
+    def held(pieces):
+        return allocator.replayed_peak(ONE_REGION, starts, ends, sizes, [False] * 4, 3,
+                                       [1, 1, pieces, 1])[0]
+
+    assert held(1) == 5 * MiB // 2 + 256 == _peak(buffers, 3)
+    assert held(2) == 2 * MiB + 256
+    # More pieces than MAX_PIECES are grouped; none is smaller than BFC's 256 B.
+    assert allocator._requests(10 * MiB, 1000) == [10 * MiB // 128] * 128
+    assert allocator._requests(1000, 100) == [333, 333, 334]  # (3 of 256 B or more)
+
+
 def test_tensorflows_cpu_allocator_holds_what_the_replay_says():
     """The rules above are TensorFlow's: one 3 MiB tensor holds a 4 MiB chunk (measured
     in a fresh process with the CPU BFC allocator on), as the replay predicts."""

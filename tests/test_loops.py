@@ -13,8 +13,11 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from memsave import planner
 from memsave.graph import _tf_private, loops
+from memsave.inputs import normalise_call
 from memsave.planner.loops import loop_memory
+from memsave.region import ForwardRegion
 
 from _gradcheck import assert_same_gradients, clipped_square, evaluate
 
@@ -199,6 +202,38 @@ def test_the_model_counts_what_each_iteration_keeps():
     outputs = carry
     assert memory.kept_by_copy == STEPS * carry + outputs + 4 * block, memory
     assert memory.why_kept is None
+
+
+def test_the_model_counts_tensor_lists_as_their_elements():
+    """A TensorList made from a tensor holds one buffer per element (the allocator
+    replay places each apart: `pieces`); a reserved one holds nothing until the loop
+    writes it, and the loop's output list holds what it wrote. The carries the copy
+    keeps are one buffer per iteration too."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x_seq = tf.constant(X_SEQ)
+        w = tf.Variable(W0)
+        outputs = tf.TensorArray(tf.float64, size=STEPS, element_shape=[BATCH, WIDTH])
+        inputs = tf.TensorArray(tf.float64, size=STEPS).unstack(x_seq)
+
+        def body(i, h, written):
+            h = tf.tanh(tf.matmul(inputs.read(i), w) + h)
+            return i + 1, h, written.write(i, h)
+
+        _, _, written = tf.while_loop(lambda i, h, written: i < STEPS, body,
+                                      [tf.constant(0), tf.zeros([BATCH, WIDTH], tf.float64),
+                                       outputs])
+        loss = tf.reduce_sum(written.stack())
+        call = normalise_call([loss], [w])
+        step = planner.model_of(ForwardRegion.build(call.ys, call.xs)).graph
+    block = BATCH * WIDTH * 8
+    lists = {step.ops[step.producer[tid]].type: (step.size[tid], step.pieces.get(tid, 1))
+             for tid, t in enumerate(step.tensors) if t.dtype == tf.variant}
+    assert lists["TensorListFromTensor"] == (STEPS * block, STEPS)
+    assert lists["TensorListReserve"] == (0, 1)
+    assert lists["While"] == (STEPS * block, STEPS)
+    loop, = step.loops.values()
+    assert loop.carries == STEPS and loop.carried > 0, loop
 
 
 @pytest.mark.parametrize("kind", ["v1", "function"])

@@ -128,7 +128,14 @@ class _BestFit:
         return size
 
 
-def replayed_peak(allocator, starts, ends, sizes, resident, steps):
+# A buffer made of many equal allocations (a TensorList's elements, what each iteration
+# of a loop keeps) is replayed as at most this many, each placed where it fits: one
+# chunk of them all would need a region of its own (2 x Keras LSTM(256), 'memory', AMD
+# EPYC without AVX-512: predicted 36.2 MiB so, measured 30.1-32.1).
+MAX_PIECES = 128
+
+
+def replayed_peak(allocator, starts, ends, sizes, resident, steps, pieces=None):
     """(peak bytes in use, the step it is reached at) of the allocator during the second
     of two identical steps.
 
@@ -138,15 +145,19 @@ def replayed_peak(allocator, starts, ends, sizes, resident, steps):
         (ends beyond the last step: alive to the end of the step) and its bytes.
       resident: per buffer, whether it exists before the step and outlives it.
       steps: how many steps the step has.
+      pieces: per buffer, how many equal allocations it is made of (None: one each).
     """
     made_at = [[] for _ in range(steps)]
     freed_at = [[] for _ in range(steps)]
     state = _BestFit(allocator.first_region)
+    requests = [_requests(nbytes, 1 if pieces is None else pieces[buffer])
+                for buffer, nbytes in enumerate(sizes)]
     for buffer, (start, end, nbytes) in enumerate(zip(starts, ends, sizes)):
         if nbytes <= 0:
             continue
         if resident[buffer]:
-            state.allocate(nbytes)
+            for request in requests[buffer]:
+                state.allocate(request)
             continue
         made_at[start].append(buffer)
         if end < steps:
@@ -157,11 +168,21 @@ def replayed_peak(allocator, starts, ends, sizes, resident, steps):
         for step in range(steps):
             for buffer in made_at[step]:
                 before = state.peak
-                address[buffer] = state.allocate(sizes[buffer])
+                address[buffer] = [state.allocate(request) for request in requests[buffer]]
                 if state.peak > before:
                     at = step
             for buffer in freed_at[step]:
-                state.release(address.pop(buffer))
+                for chunk in address.pop(buffer):
+                    state.release(chunk)
         for left in address.values():  # returned at the step's end (the gradients)
-            state.release(left)
+            for chunk in left:
+                state.release(chunk)
     return state.peak, at
+
+
+def _requests(nbytes, pieces):
+    """The allocations of a buffer of `nbytes` made of `pieces` equal ones (at most
+    MAX_PIECES: more are grouped)."""
+    count = max(1, min(pieces, MAX_PIECES, nbytes // _MIN_CHUNK or 1))
+    each = nbytes // count
+    return [each] * (count - 1) + [nbytes - each * (count - 1)]

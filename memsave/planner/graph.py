@@ -17,7 +17,7 @@ from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
 from memsave.planner import call_gradients, costs, custom_gradients, opinfo, xla_buffers
-from memsave.planner.loops import list_bytes, loop_memory, recomputed
+from memsave.planner.loops import list_bytes, list_length, loop_memory, recomputed
 from memsave.region import estimated_bytes
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,8 @@ class StepGraph:
       held: op id -> bytes its gradient keeps of its forward run that no tensor of the
         graph shows, from the op (or its recomputed copy) to its gradient: a
         tf.function call's intermediates (memsave.planner.call_gradients).
+      pieces: tensor id -> how many allocations of equal size its bytes are, where more
+        than one: a TensorList's elements (memsave.planner.loops.list_length).
       boundaries: ids of the region tensors every plan keeps (segments end there), so
         that each op's gradient is taken once, with its whole gradient (memsave.backward):
         those that ops which are not recomputed read (floating, complex or variant: a
@@ -124,6 +126,7 @@ class StepGraph:
         self.workspaces = set()
         self.custom_gradient_ops = set()
         self.held = {}
+        self.pieces = {}
         self.largest_bytes = 0
         self.small_bytes = 0
         self.small = frozenset()
@@ -190,8 +193,9 @@ class StepGraph:
             tid = len(self.tensors)
             self.tensor_id[(op, t.value_index)] = tid
             self.tensors.append(t)
-            self.size.append(list_bytes(t, self.unknown_dim_size) if t.dtype == tf.variant
-                             else estimated_bytes(t, self.unknown_dim_size))
+            self.size.append(_bytes(t, self.unknown_dim_size))
+            if t.dtype == tf.variant and self.size[tid] and list_length(t) > 1:
+                self.pieces[tid] = list_length(t)
             if t.shape.rank is not None and None in t.shape.as_list() and t.dtype.is_floating:
                 self.unknown_dims.append(t.name)
             self.producer.append(index)
@@ -489,6 +493,14 @@ class StepGraph:
         """Bytes alive before the step starts: inputs, constants and variables."""
         return sum(self.size[t] for i, k in enumerate(self.kind) if k == RESIDENT
                    for t in self.outputs[i])
+
+
+def _bytes(t, unknown_dim_size):
+    """The bytes of tensor `t`'s buffers: a TensorList's, its elements' (none for a
+    reserved list, whose elements are made as they are written)."""
+    if t.dtype != tf.variant:
+        return estimated_bytes(t, unknown_dim_size)
+    return 0 if t.op.type == "TensorListReserve" else list_bytes(t, unknown_dim_size)
 
 
 def is_data(t):

@@ -44,6 +44,8 @@ class LoopMemory:  # (see `recomputed` for the decision)
         keep by then (it pops one iteration's per iteration). copy_run_ahead: the same
         for the copy's gradient (at most memsave.graph.loops.PARALLEL_ITERATIONS
         iterations at once). Both count the running sums of those gradients too.
+      carried, carries: the bytes of one iteration's inputs the copy keeps (its carry),
+        and how many of them it holds at once (`carries_kept`; in `kept_by_copy`).
     """
     iterations: int
     known: bool
@@ -53,6 +55,8 @@ class LoopMemory:  # (see `recomputed` for the decision)
     gradient_run_ahead: int = 0
     copy_run_ahead: int = 0
     chunk: int = 1
+    carried: int = 0
+    carries: int = 0
 
 
 # A chunked copy's gradient sums the gradients of what the body reads from outside the
@@ -122,7 +126,7 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
     core = graph_loops.body_core(body) if why is None else None
     if why is None and core is None:
         why = "its body has nothing to recompute"
-    kept_by_copy, carried, requested = None, 0, chunk
+    kept_by_copy, carried, carries, requested = None, 0, 0, chunk
     chunk = 1
     if core is not None:
         shared = _held_by_lists(body, invariant)
@@ -137,7 +141,8 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
         outputs = sum(_output_bytes(loop, i, unknown_dim_size)
                       for i, t in enumerate(body.inputs[:len(loop.outputs)])
                       if t not in invariant)
-        kept_by_copy = carries_kept(count, chunk) * carried + outputs + per_iteration
+        carries = carries_kept(count, chunk)
+        kept_by_copy = carries * carried + outputs + per_iteration
     products = sum(estimated_bytes(t, unknown_dim_size)
                    for t in _read_from_outside(body, invariant))
     parallel = min(loop.get_attr("parallel_iterations"), count)
@@ -152,7 +157,7 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
                       gradient_run_ahead=products + max(0, parallel * (products - per_iteration)),
                       copy_run_ahead=(products + max(0, copy_parallel * (products - carried))
                                       + (_CHUNK_SUMS * products if chunk > 1 else 0)),
-                      chunk=chunk)
+                      chunk=chunk, carried=carried, carries=carries)
 
 
 def _iterations(loop):
@@ -218,6 +223,21 @@ def list_bytes(t, unknown_dim_size=1):
     if graph_loops.is_loop(op) and t.value_index < len(op.inputs):
         return list_bytes(op.inputs[t.value_index], unknown_dim_size)
     return 0
+
+
+def list_length(t):
+    """How many elements TensorList `t` holds where the graph says (as `list_bytes`
+    reads it), else 1: each is a buffer of its own."""
+    op = t.op
+    if op.type == "TensorListFromTensor":
+        first = op.inputs[0].shape
+        return int(first[0]) if first.rank and first[0] is not None else 1
+    if op.type == "TensorListReserve":
+        count = tf.get_static_value(op.inputs[1])
+        return int(count) if count is not None and count.ndim == 0 and count > 0 else 1
+    if graph_loops.is_loop(op) and t.value_index < len(op.inputs):
+        return list_length(op.inputs[t.value_index])
+    return 1
 
 
 def _read_from_outside(body, invariant):

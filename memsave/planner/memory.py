@@ -134,17 +134,21 @@ class _Timeline:
         # Per buffer, whose it is: a tensor id (a tensor, or with a gradient kind its
         # gradient), or -(op id + 1) for the temporaries of an op's gradient.
         self.owners = []
+        # Per buffer, how many allocations of equal size it is made of (a TensorList's
+        # elements, a loop's iterations): the allocator replay places each apart.
+        self.pieces = []
 
     def step(self, label):
         self.labels.append(label)
         return len(self.labels) - 1
 
-    def buffer(self, start, nbytes, kind, owner, end=None):
+    def buffer(self, start, nbytes, kind, owner, end=None, pieces=1):
         self.starts.append(start)
         self.ends.append(start if end is None else end)
         self.bytes.append(nbytes)
         self.kinds.append(kind)
         self.owners.append(owner)
+        self.pieces.append(pieces)
         return len(self.bytes) - 1
 
     def copy(self):
@@ -152,7 +156,7 @@ class _Timeline:
         other.labels = list(self.labels)
         other.starts, other.ends = list(self.starts), list(self.ends)
         other.bytes, other.kinds = list(self.bytes), list(self.kinds)
-        other.owners = list(self.owners)
+        other.owners, other.pieces = list(self.owners), list(self.pieces)
         return other
 
     def alive_at(self, step):
@@ -411,7 +415,8 @@ class MemoryModel:
             return {}
         resident = [kind == "resident" for kind in timeline.kinds]
         held, at = allocator_lib.replayed_peak(self.allocator, timeline.starts, timeline.ends,
-                                               timeline.bytes, resident, len(timeline.labels))
+                                               timeline.bytes, resident, len(timeline.labels),
+                                               timeline.pieces)
         return {"allocator_peak_bytes": held,
                 "allocator_peak_at": self.describe(timeline.labels[at], segmentation)}
 
@@ -462,11 +467,11 @@ class MemoryModel:
                 else:
                     buffers[tid] = timeline.buffer(
                         step, graph.size[tid], "resident" if kind == RESIDENT else "forward",
-                        tid, _FOREVER if kind == RESIDENT else None)
+                        tid, _FOREVER if kind == RESIDENT else None, graph.pieces.get(tid, 1))
             loop = graph.loops.get(op)
             if loop is not None:
                 loop_buffers[op] = timeline.buffer(
-                    step, loop.kept_by_tensorflow, "loop", -(op + 1))
+                    step, loop.kept_by_tensorflow, "loop", -(op + 1), pieces=loop.iterations)
             if op in graph.held:
                 held_buffers[op] = timeline.buffer(step, graph.held[op], "forward", -(op + 1))
         return buffers
@@ -490,7 +495,13 @@ class MemoryModel:
             timeline.use(self._loop_buffers[op], step)
             loop = graph.loops[op]
             if self._rewriting and op in self._recomputed_loops:
-                temporaries += loop.kept_by_copy + loop.copy_run_ahead
+                # The copy runs the loop again here, reading what the loop read (an
+                # RNN's input sequence), and keeps each iteration's carry apart.
+                for tid in graph.inputs[op]:
+                    timeline.use(buffers[tid], step)
+                carries = loop.carries * loop.carried
+                timeline.buffer(step, carries, "gradients", -(op + 1), pieces=loop.carries)
+                temporaries += loop.kept_by_copy + loop.copy_run_ahead - carries
             else:
                 temporaries += loop.gradient_run_ahead
         later = ()
@@ -601,7 +612,8 @@ class MemoryModel:
                 if source >= 0 and (source in local or tid not in graph.forwarded):
                     local[tid] = local.get(source, forward[source])
                 else:
-                    local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
+                    local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid,
+                                                 pieces=graph.pieces.get(tid, 1))
             if op in graph.held:
                 local[_held_key(op)] = timeline.buffer(step, graph.held[op], "recomputed",
                                                        -(op + 1))
