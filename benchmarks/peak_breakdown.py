@@ -51,9 +51,11 @@ def _gradients(loss, variables, strategy):
     if strategy == BASELINE:
         return tf.gradients(loss, variables), memsave.plan(loss, variables, "memory")
     strategy, chunked, chunk = strategy.partition("+chunk:")  # (as compare.py reads it)
+    name, _, fraction = strategy.partition("budget:")
+    checkpoints = memsave.budget(float(fraction)) if not name and fraction else strategy
     with memsave.recompute_loops(None, chunk=int(chunk) if chunked and chunk != "auto"
                                  else "auto"):
-        return memsave.gradients(loss, variables, checkpoints=strategy), memsave.last_report()
+        return memsave.gradients(loss, variables, checkpoints=checkpoints), memsave.last_report()
 
 
 def _kind(name, forward_names, gradient_names):
@@ -177,7 +179,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="cnn", choices=compare.MODELS)
     parser.add_argument("--strategy", default="memory",
-                        help="tf.gradients, or a memsave strategy name ('memory', 'speed', ...)")
+                        help="tf.gradients, a memsave strategy name ('memory', 'speed', ...), "
+                        "or budget:F (memsave.budget(F))")
     parser.add_argument("--depth", type=int)
     parser.add_argument("--batch", type=int)
     parser.add_argument("--app", help="keras.applications model for --model keras")

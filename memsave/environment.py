@@ -43,6 +43,9 @@ class Environment:
       loop_chunk: 'auto' or iterations per chunk (memsave.recompute_loops(chunk=)):
         how many iterations a recomputing copy's gradient recomputes from one kept
         carry.
+      folds_constants: Grappler's constant folding runs on the step (its default; not
+        under XLA, which compiles the step itself): it moves constant factors of some
+        gradients into the forward pass (memsave.planner.opinfo.PRODUCT_GRADIENTS).
     """
     under_xla: bool = False
     accelerator: bool = False
@@ -53,6 +56,7 @@ class Environment:
     always_rewrite: bool = False
     recompute_loops: str = "auto"
     loop_chunk: object = "auto"
+    folds_constants: bool = True
 
     @classmethod
     def read(cls, graph, gate_gradients=False, always_rewrite=False, recompute_loops="auto",
@@ -73,7 +77,7 @@ class Environment:
                    kernels=kernels, conv_threads=_eigen_conv_threads(kernels),
                    allocator=_allocator(accelerator), gate_gradients=bool(gate_gradients),
                    always_rewrite=bool(always_rewrite), recompute_loops=recompute_loops,
-                   loop_chunk=loop_chunk)
+                   loop_chunk=loop_chunk, folds_constants=not under_xla and _folds_constants())
 
     @property
     def may_read_checkpoints(self):
@@ -89,6 +93,13 @@ class Environment:
         not under XLA, which orders the copies by the data they read and schedules
         them itself."""
         return not self.under_xla
+
+
+def _folds_constants():
+    """Whether Grappler's constant folding is on (tf.config.optimizer's options)."""
+    options = tf.config.optimizer.get_experimental_options()
+    return (not options.get("disable_meta_optimizer", False)
+            and options.get("constant_folding", True))
 
 
 def gpu_placed():

@@ -304,6 +304,35 @@ def keras_gpt(mode, blocks=2, batch=8, seq_len=128, d_model=64, heads=4, vocab=4
     return _measure(step, tf.constant(words), tf.constant(np.roll(words, -1, axis=1)))
 
 
+def scaled_attention(mode, layers=6, batch=8, heads=4, seq_len=128, d_model=64):
+    """Attention written by hand, as in the paper: softmax(q k^T / sqrt(d)) v, residual,
+    tanh(x w) MLP. Grappler folds the gradient's 1/sqrt(d) into the softmax's output, a
+    [batch, heads, seq_len, seq_len] product made in the forward pass and held to the
+    gradient (memsave.planner.opinfo.PRODUCT_GRADIENTS)."""
+    rng = np.random.RandomState(0)
+    head_dim = d_model // heads
+    weights = [tf.Variable(rng.standard_normal([d_model, d_model]).astype(np.float32) / 8)
+               for _ in range(4 * layers)]
+
+    def split_heads(t):
+        return tf.transpose(tf.reshape(t, [batch, seq_len, heads, head_dim]), [0, 2, 1, 3])
+
+    @tf.function
+    def step(x):
+        h = x
+        for layer in range(layers):
+            wq, wk, wv, wo = weights[4 * layer:4 * layer + 4]
+            q, k, v = (split_heads(tf.einsum("btd,de->bte", h, w)) for w in (wq, wk, wv))
+            scores = tf.matmul(q, k, transpose_b=True) / float(np.sqrt(head_dim))
+            context = tf.matmul(tf.nn.softmax(scores), v)
+            context = tf.reshape(tf.transpose(context, [0, 2, 1, 3]), [batch, seq_len, d_model])
+            h = h + tf.tanh(tf.einsum("btd,de->bte", context, wo))
+        return _gradient_fn(mode, [])(tf.reduce_sum(h * h), weights)
+
+    x = tf.constant(rng.standard_normal([batch, seq_len, d_model]).astype(np.float32))
+    return _measure(step, x)
+
+
 def nested_calls(mode, layers=24, batch=2048, width=256, read_outside=False):
     """An MLP whose layers are calls of one nested tf.function (memsave copies a call
     that is recomputed, and builds a call's gradient to see what it holds)."""

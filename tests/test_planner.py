@@ -1,6 +1,7 @@
 """The planner: memory model peaks computed by hand, search optimality against brute
 force, budgets (errors, fallbacks), and the never-worse-than-tf.gradients rule."""
 
+import dataclasses
 import itertools
 import warnings
 
@@ -391,6 +392,54 @@ def test_a_kernel_cannot_write_into_a_buffer_the_plan_keeps():
             prediction = model.predict([graph.id_of(kept)])
             assert prediction.peak_at.startswith("forward pass"), prediction.peak_at
             assert prediction.peak_bytes - baseline == pytest.approx(block, rel=0.01), kept
+
+
+def _scaled(scale_by, op=tf.nn.softmax):
+    """op(x @ x^T scaled) @ v; returns ({op type: held bytes}, the product's bytes)."""
+    x = tf.compat.v1.placeholder(tf.float32, [4, 32, 16])
+    v = tf.compat.v1.placeholder(tf.float32, [4, 32, 16])
+    scores = scale_by(tf.matmul(x, x, transpose_b=True))
+    loss = tf.reduce_sum(tf.matmul(op(scores), v) ** 2)
+    graph = planner.model_of(ForwardRegion.build([loss], [x])).graph
+    return {graph.ops[op].type: nbytes for op, nbytes in graph.held.items()}, 4 * 32 * 32 * 4
+
+
+@pytest.mark.parametrize("scale_by, held", [
+    (lambda s: s / 4.0, True), (lambda s: s * 0.25, True), (lambda s: 0.25 * s, True),
+    (lambda s: s, False),
+    # A divisor the step computes: not a constant Grappler folds.
+    (lambda s: s / tf.reduce_max(s), False),
+    # The scaled scores read twice: their gradient is a sum, not one product.
+    (lambda s: (s / 4.0) + 0.0 * tf.reduce_sum(s / 4.0), False),
+])
+def test_grappler_folds_a_constant_scaling_into_the_softmax_gradient(scale_by, held):
+    """softmax(s / c)'s gradient ends in a product with the softmax's output; Grappler's
+    constant folding pushes the gradient's 1/c onto it, `softmax * (1/c)`, which the
+    executor makes in the forward pass and holds to the gradient: one softmax-sized
+    buffer more (hand-written attention: 8 x 4 MiB at the transformer benchmark's
+    tf.gradients peak, AMD EPYC)."""
+    with tf.Graph().as_default():
+        found, product = _scaled(scale_by)
+        assert found == ({"Softmax": product} if held else {}), found
+
+
+def test_no_constant_is_folded_where_grappler_does_not_run():
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 32, 16])
+        loss = tf.reduce_sum(tf.nn.softmax(x / 4.0) ** 2)
+        region = ForwardRegion.build([loss], [x])
+        assert planner.model_of(region).graph.held
+        environment = planner.Environment.read(loss.graph)
+        assert environment.folds_constants
+        off = dataclasses.replace(environment, folds_constants=False)
+        assert not planner.model_of(region, off).graph.held
+    options = tf.config.optimizer.get_experimental_options()
+    try:
+        tf.config.optimizer.set_experimental_options({"constant_folding": False})
+        assert not planner.Environment.read(None).folds_constants
+    finally:
+        tf.config.optimizer.set_experimental_options(
+            {"constant_folding": options.get("constant_folding", True)})
 
 
 def _region_reads(loss, xs):

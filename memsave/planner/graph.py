@@ -169,7 +169,7 @@ class StepGraph:
                     under_xla=environment.under_xla, chunk=environment.loop_chunk)
         # (Under XLA, whose kernels make workspaces of their own, none is modelled.)
         step._size_workspaces(None if environment.under_xla else environment.kernels)
-        step._link(region)
+        step._link(region, environment.folds_constants)
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
         step.largest_bytes = max((step.size[t] for t in region_tensors), default=0)
         step.small_bytes = step.largest_bytes // SMALL_FRACTION
@@ -218,7 +218,7 @@ class StepGraph:
                     self.size[tid] = nbytes
                     self.workspaces.add(tid)
 
-    def _link(self, region):
+    def _link(self, region, folds_constants=True):
         for x in region.xs:
             tid = self.tensor_id.get((x.op, x.value_index))
             if tid is not None:
@@ -245,6 +245,33 @@ class StepGraph:
                 self._link_gradient(index, op, region, stops)
         self._drop_gradients_nothing_reaches()
         self._link_forwarded_outputs()  # (after the gradients: what they read is kept)
+        if folds_constants:
+            self._link_folded_products()
+
+    def _link_folded_products(self):
+        """Where an op's gradient ends in a product with a forward tensor it also reads
+        elsewhere, and its input is a constant scaling read by it alone
+        (opinfo.PRODUCT_GRADIENTS), Grappler makes that tensor times the constant in the
+        forward pass: held (StepGraph.held) from the op's run (or its copy's) to its
+        gradient."""
+        for index, op in enumerate(self.ops):
+            output = opinfo.PRODUCT_GRADIENTS.get(op.type)
+            if output is None or len(self.inputs[index]) != len(op.inputs):
+                continue
+            if any(self._scaled_by_a_constant(tid, index) for tid, _ in self.grad_inputs[index]):
+                factor = self.outputs[index][output]
+                self.held[index] = self.held.get(index, 0) + self.size[factor]
+
+    def _scaled_by_a_constant(self, tid, reader):
+        """Whether tensor `tid`, read by op `reader` alone, is made by a Mul or RealDiv by
+        a constant (opinfo.CONSTANT_SCALINGS) of a tensor whose gradient is taken."""
+        op = self.producer[tid]
+        positions = opinfo.CONSTANT_SCALINGS.get(self.ops[op].type)
+        if (positions is None or self.consumers[tid] != [reader] or self.is_y[tid]
+                or len(self.inputs[op]) != 2 or not self.grad_inputs[op]):
+            return False
+        return any(self.ops[self.producer[self.inputs[op][i]]].type == "Const"
+                   for i in positions)
 
     def _link_forwarded_outputs(self):
         """An output the kernel writes into an input's buffer (opinfo.FORWARDED_OUTPUTS)

@@ -369,9 +369,10 @@ class MemoryModel:
             # themselves keep nothing for the backward pass.
             for op in self._recomputed_loops:
                 timeline.bytes[self._loop_buffers[op]] = 0
-            # Nor do the ops whose gradients are taken of their recomputed copies.
-            for ops in segmentation.ops.values():
-                for op in ops:
+            # Nor do the ops whose gradients are taken of their recomputed copies (an
+            # op whose copy does not run is differentiated as the forward pass ran it).
+            for head in segmentation.order:
+                for op in segmentation.executed(head):
                     if op in self._held_buffers:
                         timeline.bytes[self._held_buffers[op]] = 0
         gradients = _Gradients(graph, timeline, self._expected)
@@ -484,8 +485,9 @@ class MemoryModel:
         step = timeline.step(label)
         incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
         reads = [buffers[tid] for tid in graph.grad_reads[op]]
-        held = (buffers.held(op) if isinstance(buffers, _Overlay)
-                else self._held_buffers.get(op))
+        held = buffers.held(op) if isinstance(buffers, _Overlay) else None
+        if held is None:  # (not recomputed: kept from the forward pass)
+            held = self._held_buffers.get(op)
         if held is not None:
             reads.append(held)
         for buffer in reads:
