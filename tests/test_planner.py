@@ -423,6 +423,35 @@ def test_grappler_folds_a_constant_scaling_into_the_softmax_gradient(scale_by, h
         assert found == ({"Softmax": product} if held else {}), found
 
 
+def test_a_folded_product_of_a_checkpoint_is_held_from_the_forward_pass():
+    """A plan keeping the softmax's output, whose segment's gradient reads it as the
+    forward pass made it: the softmax's copy never runs, and the folded product is made
+    of the forward softmax, in the forward pass, and held to the gradient (the
+    transformer benchmark's budget(0.8) plan: predicted 160.7 MiB without, measured
+    186-191; 149.7 with, measured 145-149)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 64, 16])
+        v = tf.compat.v1.placeholder(tf.float32, [4, 64, 16])
+        probabilities = tf.nn.softmax(tf.matmul(x, x, transpose_b=True) / 4.0)
+        loss = tf.reduce_sum(tf.tanh(tf.matmul(probabilities, v)))
+        model = planner.model_of(ForwardRegion.build([loss], [x]))
+        graph = model.graph
+        softmax = graph.producer[graph.id_of(probabilities)]
+        product = graph.held[softmax]
+        kept = graph.id_of(probabilities)
+        prediction = model.predict([kept], read_checkpoints=True)
+        _, timeline, segmentation = model._last
+        assert all(softmax not in segmentation.executed(head) for head in segmentation.order)
+        held = [b for b, owner in enumerate(timeline.owners)
+                if owner == -(softmax + 1) and timeline.kinds[b] == "forward"]
+        assert [timeline.bytes[b] for b in held] == [product]
+        forward_step = timeline.starts[held[0]]
+        assert timeline.labels[forward_step][0] == "forward"
+        assert timeline.labels[timeline.ends[held[0]]][:2] == ("backward", softmax), (
+            timeline.labels[timeline.ends[held[0]]])
+        assert prediction.peak_bytes > 0
+
+
 def test_no_constant_is_folded_where_grappler_does_not_run():
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [4, 32, 16])
