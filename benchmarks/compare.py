@@ -64,14 +64,14 @@ MEMSAVE_STRATEGIES = ("speed", "memory", "collection")
 # Mirrors of models.py, so the parser needs no TensorFlow (a test checks they agree):
 # every model, those whose forward pass marks checkpoints, those built from Keras layers,
 # the mixed-precision policies.
-MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "lstm")
+MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "lstm", "unet")
 MARKING_MODELS = ("cnn", "mlp", "calls", "transformer")
-KERAS_MODELS = ("keras", "vit", "gpt", "lstm")
+KERAS_MODELS = ("keras", "vit", "gpt", "lstm", "unet")
 MIXED_PRECISION = ("float16", "bfloat16")
 DEFAULT_SWEEP_DEPTHS = {"cnn": (6, 12, 24, 48, 81), "mlp": (8, 16, 32, 64, 128),
                         "calls": (8, 16, 32, 64),
                         "transformer": (2, 4, 8, 16, 32), "keras": (0,), "vit": (2, 4, 8, 16),
-                        "gpt": (2, 4, 6, 12), "lstm": (1, 2, 4)}
+                        "gpt": (2, 4, 6, 12), "lstm": (1, 2, 4), "unet": (2, 3, 4)}
 CHILD_TARGET = "benchmarks.compare:measure_config"
 MEMORY_STEPS = 2  # steps over which the peak is taken
 
@@ -776,6 +776,11 @@ PREDICT_FAMILIES = (
     ("ViT (Keras layers)", "vit", None, None, {}),
     ("GPT (Keras layers)", "gpt", None, None, {}),
     ("2 x Keras LSTM(256)", "lstm", None, None, {}),
+    # Issue 29's rows: an 8-layer transformer encoder from Keras layers (d 256, 8 heads,
+    # 256 tokens: the ViT's patches of a 128 px image, batch 16), and a U-Net.
+    ("Keras-layer transformer (d 256, 8 heads, 256 tokens, batch 16)", "vit", 8, 16,
+     {"image_size": 128, "d_model": 256, "heads": 8}),
+    ("Keras U-Net 128 px", "unet", None, None, {}),
 )
 PREDICT_COLUMNS = ("model", "strategy", "measured MiB", "predicted MiB", "error")
 

@@ -38,7 +38,7 @@ import tensorflow as tf
 
 import memsave
 
-MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "lstm")
+MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "lstm", "unet")
 
 # Per-model defaults, sized so one step takes well under a second on 2 CPU cores.
 DEFAULTS = {
@@ -50,6 +50,7 @@ DEFAULTS = {
     "vit": {"depth": 8, "batch": 32},
     "gpt": {"depth": 6, "batch": 8},
     "lstm": {"depth": 2, "batch": 64},
+    "unet": {"depth": 4, "batch": 8},
 }
 
 
@@ -481,6 +482,41 @@ def build_gpt(depth=6, batch=8, seed=0, seq_len=256, d_model=256, heads=8, vocab
                               _sparse_cross_entropy)
 
 
+def build_unet(depth=4, batch=8, seed=0, image_size=128, base=16, classes=4, remat=None,
+               mixed_precision=None):
+    """A Keras functional U-Net for segmentation: `depth` levels down (conv-BN-ReLU twice,
+    then a 2x2 max pool) and up (a 2x2 transposed convolution, concatenated with the
+    level's skip, conv-BN-ReLU twice), `base` filters doubling per level, a 1x1
+    convolution to per-pixel class logits."""
+    import keras
+
+    def conv_block(x, filters):
+        for _ in range(2):
+            x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+            x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+        return x
+
+    keras.utils.set_random_seed(seed)
+    with _keras_scope(remat, mixed_precision):
+        images = keras.Input((image_size, image_size, 3))
+        x, skips = images, []
+        for level in range(depth):
+            x = conv_block(x, base * 2 ** level)
+            skips.append(x)
+            x = keras.layers.MaxPooling2D()(x)
+        x = conv_block(x, base * 2 ** depth)
+        for level in reversed(range(depth)):
+            x = keras.layers.Conv2DTranspose(base * 2 ** level, 2, strides=2)(x)
+            x = conv_block(keras.layers.Concatenate()([x, skips[level]]), base * 2 ** level)
+        net = keras.Model(images, keras.layers.Conv2D(classes, 1, dtype="float32")(x))
+    rng = np.random.default_rng(seed + 1)
+    inputs = (rng.standard_normal([batch, image_size, image_size, 3]).astype(np.float32),
+              rng.integers(0, classes, size=[batch, image_size, image_size]).astype(np.int32))
+    description = (f"U-Net (Keras layers): {depth} levels, {base} base filters, "
+                   f"{image_size} px, batch {batch}" + _policy_note(mixed_precision))
+    return _keras_layer_model("unet", net, inputs, description, _sparse_cross_entropy)
+
+
 def build_lstm(depth=2, batch=64, seed=0, seq_len=100, units=256, features=32, classes=10,
                remat=None, mixed_precision=None):
     """`depth` stacked `keras.layers.LSTM(units)` over a float sequence, a softmax head on
@@ -504,9 +540,10 @@ def build_lstm(depth=2, batch=64, seed=0, seq_len=100, units=256, features=32, c
 
 BUILDERS = {"cnn": build_cnn, "mlp": build_mlp, "calls": build_calls,
             "transformer": build_transformer,
-            "keras": build_keras, "vit": build_vit, "gpt": build_gpt, "lstm": build_lstm}
+            "keras": build_keras, "vit": build_vit, "gpt": build_gpt, "lstm": build_lstm,
+            "unet": build_unet}
 # Models built from Keras layers (keras.RematScope applies to them).
-KERAS_MODELS = ("keras", "vit", "gpt", "lstm")
+KERAS_MODELS = ("keras", "vit", "gpt", "lstm", "unet")
 
 
 def build_model(name, depth=None, batch=None, seed=0, **options):

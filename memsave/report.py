@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import List, Optional, Tuple
 
+from memsave.planner.loops import list_bytes
 from memsave.region import estimated_bytes
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ class CheckpointInfo:
 
     @classmethod
     def of(cls, t, reason, unknown_dim_size=1):
-        return cls(t.name, str(t.shape), t.dtype.name, estimated_bytes(t, unknown_dim_size),
-                   reason)
+        nbytes = (list_bytes(t, unknown_dim_size) if t.dtype.name == "variant"  # (a TensorList)
+                  else estimated_bytes(t, unknown_dim_size))
+        return cls(t.name, str(t.shape), t.dtype.name, nbytes, reason)
 
 
 @dataclasses.dataclass

@@ -66,6 +66,7 @@ KERAS_TINY = {
     "vit": {"depth": 2, "batch": 2, "image_size": 16, "patch": 8, "d_model": 8, "heads": 2},
     "gpt": {"depth": 2, "batch": 2, "seq_len": 6, "d_model": 8, "heads": 2, "vocab": 30},
     "lstm": {"depth": 2, "batch": 2, "seq_len": 5, "units": 4, "features": 3},
+    "unet": {"depth": 2, "batch": 2, "image_size": 8, "base": 2, "classes": 3},
 }
 
 

@@ -74,3 +74,16 @@ def test_report_lists_what_is_never_recomputed():
     types = {graph.get_operation_by_name(name).type for name in reasons}
     assert "RandomUniform" in types and "ReadVariableOp" in types
     assert set(reasons.values()) == {"stateful"}
+
+
+def test_a_kept_tensor_list_is_reported_at_its_elements_bytes():
+    """A TensorList (an RNN's input sequence, which the LSTM benchmark's 'memory' plan
+    keeps) is reported at the bytes of its elements, as the memory model counts it (it
+    was 0.00 MiB)."""
+    from memsave.report import CheckpointInfo
+
+    with tf.Graph().as_default():
+        sequence = tf.zeros([10, 4, 8], tf.float32)
+        elements = tf.TensorArray(tf.float32, size=10).unstack(sequence)
+        info = CheckpointInfo.of(elements.flow, "kept")
+    assert info.dtype == "variant" and info.bytes == 10 * 4 * 8 * 4
