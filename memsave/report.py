@@ -11,8 +11,7 @@ import logging
 import threading
 from typing import List, Optional, Tuple
 
-from memsave.planner.loops import list_bytes
-from memsave.region import estimated_bytes
+from memsave.planner.loops import tensor_bytes
 
 logger = logging.getLogger(__name__)
 _latest = threading.local()
@@ -30,9 +29,8 @@ class CheckpointInfo:
 
     @classmethod
     def of(cls, t, reason, unknown_dim_size=1):
-        nbytes = (list_bytes(t, unknown_dim_size) if t.dtype.name == "variant"  # (a TensorList)
-                  else estimated_bytes(t, unknown_dim_size))
-        return cls(t.name, str(t.shape), t.dtype.name, nbytes, reason)
+        return cls(t.name, str(t.shape), t.dtype.name, tensor_bytes(t, unknown_dim_size),
+                   reason)
 
 
 @dataclasses.dataclass

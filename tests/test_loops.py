@@ -227,11 +227,20 @@ def test_the_model_counts_tensor_lists_as_their_elements():
         call = normalise_call([loss], [w])
         step = planner.model_of(ForwardRegion.build(call.ys, call.xs)).graph
     block = BATCH * WIDTH * 8
-    lists = {step.ops[step.producer[tid]].type: (step.size[tid], step.pieces.get(tid, 1))
+    lists = {t.name: (t.op.type, step.size[tid], step.pieces.get(tid, 1))
              for tid, t in enumerate(step.tensors) if t.dtype == tf.variant}
-    assert lists["TensorListFromTensor"] == (STEPS * block, STEPS)
-    assert lists["TensorListReserve"] == (0, 1)
-    assert lists["While"] == (STEPS * block, STEPS)
+    by_type = {}
+    for kind, nbytes, pieces in lists.values():
+        by_type.setdefault(kind, []).append((nbytes, pieces))
+    assert by_type["TensorListFromTensor"] == [(STEPS * block, STEPS)]
+    assert by_type["TensorListReserve"] == [(0, 1)]
+    # The list the loop wrote (read by the stack after it):
+    stacked, = [op for op in graph.get_operations() if op.type == "TensorListStack"]
+    source = stacked.inputs[0]
+    while source.op.type == "Identity":
+        source = source.op.inputs[0]
+    assert source.op.type == "While"
+    assert lists[source.name][1:] == (STEPS * block, STEPS), lists
     loop, = step.loops.values()
     assert loop.carries == STEPS and loop.carried > 0, loop
 

@@ -17,8 +17,7 @@ from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
 from memsave.planner import call_gradients, costs, custom_gradients, opinfo, xla_buffers
-from memsave.planner.loops import list_bytes, list_length, loop_memory, recomputed
-from memsave.region import estimated_bytes
+from memsave.planner.loops import list_length, loop_memory, recomputed, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +82,8 @@ class StepGraph:
       held: op id -> bytes its gradient keeps of its forward run that no tensor of the
         graph shows, from the op (or its recomputed copy) to its gradient: a
         tf.function call's intermediates (memsave.planner.call_gradients).
+      folded: op id -> bytes of the product Grappler's constant folding makes of its
+        output in the forward pass, held to its gradient (`_link_folded_products`).
       pieces: tensor id -> how many allocations of equal size its bytes are, where more
         than one: a TensorList's elements (memsave.planner.loops.list_length).
       boundaries: ids of the region tensors every plan keeps (segments end there), so
@@ -126,6 +127,7 @@ class StepGraph:
         self.workspaces = set()
         self.custom_gradient_ops = set()
         self.held = {}
+        self.folded = {}
         self.pieces = {}
         self.largest_bytes = 0
         self.small_bytes = 0
@@ -193,7 +195,7 @@ class StepGraph:
             tid = len(self.tensors)
             self.tensor_id[(op, t.value_index)] = tid
             self.tensors.append(t)
-            self.size.append(_bytes(t, self.unknown_dim_size))
+            self.size.append(tensor_bytes(t, self.unknown_dim_size))
             if t.dtype == tf.variant and self.size[tid] and list_length(t) > 1:
                 self.pieces[tid] = list_length(t)
             if t.shape.rank is not None and None in t.shape.as_list() and t.dtype.is_floating:
@@ -251,16 +253,19 @@ class StepGraph:
     def _link_folded_products(self):
         """Where an op's gradient ends in a product with a forward tensor it also reads
         elsewhere, and its input is a constant scaling read by it alone
-        (opinfo.PRODUCT_GRADIENTS), Grappler makes that tensor times the constant in the
-        forward pass: held (StepGraph.held) from the op's run (or its copy's) to its
-        gradient."""
+        (opinfo.PRODUCT_GRADIENTS), Grappler folds the constant onto that tensor: a
+        product of the forward pass (or of the recomputed copy) held to the gradient
+        (`folded`). Which operand of the product takes the constant follows the ops'
+        names (Grappler orders the inputs of a commutative op by name): in a
+        tf.function, measured, the step's own softmaxes and memsave's recomputed copies
+        take it (the benchmarks' attention, Keras' included); a tf.compat.v1 Session
+        orders them the other way for some names (not modelled)."""
         for index, op in enumerate(self.ops):
             output = opinfo.PRODUCT_GRADIENTS.get(op.type)
             if output is None or len(self.inputs[index]) != len(op.inputs):
                 continue
             if any(self._scaled_by_a_constant(tid, index) for tid, _ in self.grad_inputs[index]):
-                factor = self.outputs[index][output]
-                self.held[index] = self.held.get(index, 0) + self.size[factor]
+                self.folded[index] = self.size[self.outputs[index][output]]
 
     def _scaled_by_a_constant(self, tid, reader):
         """Whether tensor `tid`, read by op `reader` alone, is made by a Mul or RealDiv by
@@ -520,14 +525,6 @@ class StepGraph:
         """Bytes alive before the step starts: inputs, constants and variables."""
         return sum(self.size[t] for i, k in enumerate(self.kind) if k == RESIDENT
                    for t in self.outputs[i])
-
-
-def _bytes(t, unknown_dim_size):
-    """The bytes of tensor `t`'s buffers: a TensorList's, its elements' (none for a
-    reserved list, whose elements are made as they are written)."""
-    if t.dtype != tf.variant:
-        return estimated_bytes(t, unknown_dim_size)
-    return 0 if t.op.type == "TensorListReserve" else list_bytes(t, unknown_dim_size)
 
 
 def is_data(t):

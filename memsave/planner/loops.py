@@ -225,6 +225,14 @@ def list_bytes(t, unknown_dim_size=1):
     return 0
 
 
+def tensor_bytes(t, unknown_dim_size=1):
+    """The bytes of tensor `t`'s buffers: a TensorList's, its elements' (none for a
+    reserved list, whose elements are made as they are written)."""
+    if t.dtype != tf.variant:
+        return estimated_bytes(t, unknown_dim_size)
+    return 0 if t.op.type == "TensorListReserve" else list_bytes(t, unknown_dim_size)
+
+
 def list_length(t):
     """How many elements TensorList `t` holds where the graph says (as `list_bytes`
     reads it), else 1: each is a buffer of its own."""

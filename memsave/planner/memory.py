@@ -118,11 +118,13 @@ class Prediction:
 class _ForwardPass:
     """One simulated forward pass: its timeline, each tensor's buffer in it, each loop's
     buffer of what TensorFlow's gradient keeps of it, and each op's of what its
-    gradient keeps that no tensor shows (StepGraph.held: a call's intermediates)."""
+    gradient keeps that no tensor shows (StepGraph.held: a call's intermediates), and
+    each op's folded product (StepGraph.folded)."""
     timeline: "_Timeline"
     buffers: list
     loop_buffers: dict
     held_buffers: dict
+    folded_buffers: dict
 
 
 class _Timeline:
@@ -262,6 +264,7 @@ class MemoryModel:
         self._forward_passes = {}  # frozenset of unforwardable outputs -> _ForwardPass
         self._loop_buffers = {}  # loop op id -> what TensorFlow's gradient keeps of it
         self._held_buffers = {}  # op id -> what its gradient keeps that no tensor shows
+        self._folded_buffers = {}  # op id -> its folded product (StepGraph.folded)
         self._rewriting = False
         self._recomputed_loops = frozenset(graph.recomputed_loops())
 
@@ -362,6 +365,7 @@ class MemoryModel:
         timeline, forward = forward_pass.timeline.copy(), forward_pass.buffers
         self._loop_buffers = forward_pass.loop_buffers
         self._held_buffers = forward_pass.held_buffers
+        self._folded_buffers = forward_pass.folded_buffers
         self._last = (key, timeline, segmentation)
         self._rewriting = segmentation is not None
         if self._rewriting:
@@ -369,12 +373,17 @@ class MemoryModel:
             # themselves keep nothing for the backward pass.
             for op in self._recomputed_loops:
                 timeline.bytes[self._loop_buffers[op]] = 0
-            # Nor do the ops whose gradients are taken of their recomputed copies (an
-            # op whose copy does not run is differentiated as the forward pass ran it).
-            for head in segmentation.order:
-                for op in segmentation.executed(head):
+            # Nor do the ops whose gradients are taken of their recomputed copies.
+            for ops in segmentation.ops.values():
+                for op in ops:
                     if op in self._held_buffers:
                         timeline.bytes[self._held_buffers[op]] = 0
+            # A folded product is made of what the gradient reads: of the copy's
+            # output where the copy runs, else of the forward pass's.
+            for head in segmentation.order:
+                for op in segmentation.executed(head):
+                    if op in self._folded_buffers:
+                        timeline.bytes[self._folded_buffers[op]] = 0
         gradients = _Gradients(graph, timeline, self._expected)
         start = timeline.step(("seed", None, None))
         for tid, is_y in enumerate(graph.is_y):
@@ -426,9 +435,11 @@ class MemoryModel:
         allocate their outputs: simulated once per set, copied per plan."""
         forward_pass = self._forward_passes.get(unforwardable)
         if forward_pass is None:
-            timeline, loop_buffers, held_buffers = _Timeline(), {}, {}
-            buffers = self._forward(timeline, unforwardable, loop_buffers, held_buffers)
-            forward_pass = _ForwardPass(timeline, buffers, loop_buffers, held_buffers)
+            timeline, loop_buffers, held_buffers, folded_buffers = _Timeline(), {}, {}, {}
+            buffers = self._forward(timeline, unforwardable, loop_buffers, held_buffers,
+                                    folded_buffers)
+            forward_pass = _ForwardPass(timeline, buffers, loop_buffers, held_buffers,
+                                        folded_buffers)
             self._forward_passes[unforwardable] = forward_pass
         return forward_pass
 
@@ -451,10 +462,11 @@ class MemoryModel:
                 tid = graph.alias_of[tid]
         return frozenset(unforwardable)
 
-    def _forward(self, timeline, unforwardable, loop_buffers, held_buffers):
+    def _forward(self, timeline, unforwardable, loop_buffers, held_buffers, folded_buffers):
         """Runs every forward op; returns the buffer of each tensor (and fills
         `loop_buffers`: loop op id -> what TensorFlow's gradient keeps of it, and
-        `held_buffers`: op id -> what its gradient keeps that no tensor shows)."""
+        `held_buffers`: op id -> what its gradient keeps that no tensor shows, and
+        `folded_buffers`: op id -> its folded product)."""
         graph = self.graph
         buffers = [None] * len(graph.tensors)
         for op, kind in enumerate(graph.kind):
@@ -475,6 +487,8 @@ class MemoryModel:
                     step, loop.kept_by_tensorflow, "loop", -(op + 1), pieces=loop.iterations)
             if op in graph.held:
                 held_buffers[op] = timeline.buffer(step, graph.held[op], "forward", -(op + 1))
+            if op in graph.folded:
+                folded_buffers[op] = timeline.buffer(step, graph.folded[op], "forward", -(op + 1))
         return buffers
 
     def _gradient_step(self, op, buffers, gradients, timeline, label, deferred=None):
@@ -485,11 +499,15 @@ class MemoryModel:
         step = timeline.step(label)
         incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
         reads = [buffers[tid] for tid in graph.grad_reads[op]]
-        held = buffers.held(op) if isinstance(buffers, _Overlay) else None
-        if held is None:  # (not recomputed: kept from the forward pass)
-            held = self._held_buffers.get(op)
+        held = (buffers.held(op) if isinstance(buffers, _Overlay)
+                else self._held_buffers.get(op))
         if held is not None:
             reads.append(held)
+        folded = buffers.folded(op) if isinstance(buffers, _Overlay) else None
+        if folded is None:
+            folded = self._folded_buffers.get(op)
+        if folded is not None:
+            reads.append(folded)
         for buffer in reads:
             timeline.use(buffer, step)
         temporaries = graph.grad_temporaries[op]
@@ -616,6 +634,9 @@ class MemoryModel:
                 else:
                     local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid,
                                                  pieces=graph.pieces.get(tid, 1))
+            if op in graph.folded:
+                local[_folded_key(op)] = timeline.buffer(step, graph.folded[op], "recomputed",
+                                                         -(op + 1))
             if op in graph.held:
                 local[_held_key(op)] = timeline.buffer(step, graph.held[op], "recomputed",
                                                        -(op + 1))
@@ -696,6 +717,11 @@ def _plan_key(checkpoints, offloaded=(), prefetch=1, flops_per_byte=0, read_chec
             bool(recompute_ahead))
 
 
+def _folded_key(op):
+    """A segment's key of op `op`'s recomputed copy's folded product (StepGraph.folded)."""
+    return ("folded", op)
+
+
 def _held_key(op):
     """A segment's key (beside its tensor ids) of what op `op`'s gradient keeps of its
     recomputed copy's run (StepGraph.held)."""
@@ -716,6 +742,10 @@ class _Overlay:
             return self.forward[tid]
         buffer = self.local.get(tid)
         return self.forward[tid] if buffer is None else buffer
+
+    def folded(self, op):
+        """The buffer of op `op`'s copy's folded product (StepGraph.folded), or None."""
+        return self.local.get(_folded_key(op))
 
     def held(self, op):
         """The buffer of what op `op`'s gradient keeps of its copy's run (StepGraph.held),
