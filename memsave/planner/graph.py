@@ -196,8 +196,9 @@ class StepGraph:
             self.tensor_id[(op, t.value_index)] = tid
             self.tensors.append(t)
             self.size.append(tensor_bytes(t, self.unknown_dim_size))
-            if t.dtype == tf.variant and self.size[tid] and list_length(t) > 1:
-                self.pieces[tid] = list_length(t)
+            length = list_length(t) if t.dtype == tf.variant and self.size[tid] else 1
+            if length > 1:
+                self.pieces[tid] = length
             if t.shape.rank is not None and None in t.shape.as_list() and t.dtype.is_floating:
                 self.unknown_dims.append(t.name)
             self.producer.append(index)

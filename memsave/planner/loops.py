@@ -202,9 +202,7 @@ def _keeps_each_write(op, item, invariant):
 
 
 def _output_bytes(loop, index, unknown_dim_size):
-    t = loop.outputs[index]
-    return list_bytes(t, unknown_dim_size) if t.dtype == tf.variant else estimated_bytes(
-        t, unknown_dim_size)
+    return tensor_bytes(loop.outputs[index], unknown_dim_size)
 
 
 def list_bytes(t, unknown_dim_size=1):
@@ -212,7 +210,7 @@ def list_bytes(t, unknown_dim_size=1):
     tensor (TensorListFromTensor, a copy of it), a list of known length and element shape
     (TensorListReserve: what an RNN writes its outputs to), or a loop's output of one
     of those. 0 where it does not."""
-    op = t.op
+    op = _list_maker(t)
     if op.type == "TensorListFromTensor":
         return estimated_bytes(op.inputs[0], unknown_dim_size)
     if op.type == "TensorListReserve":
@@ -220,9 +218,17 @@ def list_bytes(t, unknown_dim_size=1):
         if count is None or shape is None or shape.ndim != 1 or (shape < 0).any():
             return 0
         return int(count) * int(shape.prod()) * tf.as_dtype(op.get_attr("element_dtype")).size
-    if graph_loops.is_loop(op) and t.value_index < len(op.inputs):
-        return list_bytes(op.inputs[t.value_index], unknown_dim_size)
     return 0
+
+
+def _list_maker(t):
+    """The op that made TensorList `t`: through the loops it is an output of, the one
+    that made the loop's input."""
+    op = t.op
+    while graph_loops.is_loop(op) and t.value_index < len(op.inputs):
+        t = op.inputs[t.value_index]
+        op = t.op
+    return op
 
 
 def tensor_bytes(t, unknown_dim_size=1):
@@ -236,15 +242,13 @@ def tensor_bytes(t, unknown_dim_size=1):
 def list_length(t):
     """How many elements TensorList `t` holds where the graph says (as `list_bytes`
     reads it), else 1: each is a buffer of its own."""
-    op = t.op
+    op = _list_maker(t)
     if op.type == "TensorListFromTensor":
         first = op.inputs[0].shape
         return int(first[0]) if first.rank and first[0] is not None else 1
     if op.type == "TensorListReserve":
         count = tf.get_static_value(op.inputs[1])
         return int(count) if count is not None and count.ndim == 0 and count > 0 else 1
-    if graph_loops.is_loop(op) and t.value_index < len(op.inputs):
-        return list_length(op.inputs[t.value_index])
     return 1
 
 
