@@ -446,6 +446,19 @@ def run(first_seed, count, jobs=1, chunk=25):
             yield from results
 
 
+def code_digest():
+    """A digest of the source files of the memsave these graphs run (found without
+    importing it): runs that print the same digest tested the same code, whatever the
+    commit."""
+    import hashlib
+    import importlib.util
+    root = Path(importlib.util.find_spec("memsave").submodule_search_locations[0])
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--graphs", type=int, default=200, help="how many graphs (default 200)")
@@ -475,7 +488,7 @@ def main(argv=None):
     print(f"memsave fuzz: {args.graphs} graphs (seeds {args.seed}..{args.seed + args.graphs - 1}; "
           f"{kinds}) in {time.time() - start:.0f} s: {counts['ok']} exact, "
           f"{counts['mismatch']} mismatches, {counts['crash']} crashes; {refused} budgets "
-          "refused as unreachable")
+          "refused as unreachable; memsave code " + code_digest())
     return 0 if not failures else 1
 
 

@@ -35,9 +35,27 @@ def _gradient_fn(mode, marks):
     return gradients
 
 
+# A step's peak depends on the order in which the executor's threads happen to run its
+# ops, which changes from call to call (hand-written attention with 'memory', AMD EPYC
+# without AVX-512: 10.8 MiB in two calls of twelve, 12.5-13.1 in the others). A training
+# loop meets the highest: the peak over this many calls is what the tests measure.
+MEASURED_CALLS = 3
+
+
+def _peak_over_calls(run):
+    """(the peak bytes over MEASURED_CALLS calls of `run`, the last call's result)."""
+    def calls():
+        result = None
+        for _ in range(MEASURED_CALLS):
+            result = None  # the last call's outputs are freed before the next call
+            result = run()
+        return result
+    return peak_memory_bytes(calls)
+
+
 def _measure(step, *args):
-    step(*args)  # trace and warm up outside the measured call
-    peak, grads = peak_memory_bytes(lambda: [g.numpy() for g in step(*args)])
+    step(*args)  # trace and warm up outside the measured calls
+    peak, grads = _peak_over_calls(lambda: [g.numpy() for g in step(*args)])
     return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
             "checksum": float(sum(np.sum(g, dtype=np.float64) for g in grads))}
 
@@ -110,7 +128,7 @@ def chain_v1(mode, n=100):
         feed = {x: np.random.RandomState(0).uniform(-1, 1, [512, 512]).astype(np.float32)}
         with tf.compat.v1.Session() as session:
             session.run(grads, feed)
-            peak, values = peak_memory_bytes(lambda: session.run(grads, feed))
+            peak, values = _peak_over_calls(lambda: session.run(grads, feed))
     return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
             "checksum": float(sum(np.sum(g, dtype=np.float64) for g in values))}
 
