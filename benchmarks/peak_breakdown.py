@@ -2,6 +2,8 @@
 
     python benchmarks/peak_breakdown.py --model keras --app ResNet50 --image-size 96  # 'memory'
     python benchmarks/peak_breakdown.py --model cnn --strategy tf.gradients --top 10
+    python benchmarks/peak_breakdown.py --model keras --app ResNet50 --image-size 96 \
+        --mixed-precision bfloat16 --at conv2_block3_3_bn_1/batchnorm/mul_1_grad
 
 Where the measured peak and the model disagree, this says why. The step runs in its
 own process (`memsave.measure.run_isolated`, BFC allocator on) as a tf.compat.v1
@@ -19,7 +21,9 @@ bytes alive at every moment; at the largest moment, this prints them by kind:
 plus the weights (resident before the step: the model's `resident_bytes`), the BFC
 allocator's own peak for the process, and the memory model's prediction for the same
 plan (peak, where, and its breakdown), with the largest tensors the model holds at its
-own peak, to set beside the measured ones. A kind may hold buffers forwarded from another
+own peak, to set beside the measured ones. `--at NAME` shows the moment the first op
+whose name contains NAME allocates instead of the peak: the model's peak op's gradient,
+to compare the two at the same point of the step. A kind may hold buffers forwarded from another
 (an elementwise op writes into its input's buffer when nobody else reads it): the
 record names the op that allocated it.
 """
@@ -83,13 +87,18 @@ def _allocations(run_metadata):
     return sorted(events)
 
 
-def _live_at_peak(events):
-    """(peak bytes, {op name: bytes alive at the peak})."""
+def _live_at_peak(events, at=None):
+    """(peak bytes, {op name: bytes alive at the peak}); with `at` (part of an op's
+    name), at the first allocation of an op so named instead (the model's peak op's
+    gradient, to set the two side by side), or (0, {}) where none is."""
     live, peak, peak_index = 0, 0, -1
-    for index, (_, nbytes, _) in enumerate(events):
+    for index, (_, nbytes, name) in enumerate(events):
         live += nbytes
-        if live > peak:
+        if at is None and live > peak:
             peak, peak_index = live, index
+        elif at is not None and at in name and nbytes > 0:
+            peak, peak_index = live, index
+            break
     alive = collections.Counter()
     for _, nbytes, name in events[:peak_index + 1]:
         alive[name] += nbytes
@@ -97,7 +106,7 @@ def _live_at_peak(events):
 
 
 def measure_breakdown(model="cnn", strategy="memory", depth=None, batch=None, top=15,
-                      model_options=None):
+                      model_options=None, at=None):
     """Child side: the live buffers at the step's peak, and the model's prediction."""
     import tensorflow as tf
 
@@ -118,7 +127,7 @@ def measure_breakdown(model="cnn", strategy="memory", depth=None, batch=None, to
             session.run(tf.compat.v1.global_variables_initializer())
             session.run(grads)  # Grappler, executor and allocator set up
             session.run(grads, options=options, run_metadata=metadata)
-    peak, alive = _live_at_peak(_allocations(metadata))
+    peak, alive = _live_at_peak(_allocations(metadata), at)
     by_kind = collections.Counter()
     for name, nbytes in alive.items():
         by_kind[_kind(name, forward_names, gradient_names)] += nbytes
@@ -132,7 +141,7 @@ def measure_breakdown(model="cnn", strategy="memory", depth=None, batch=None, to
                      nbytes) for name, nbytes in largest],
         "predicted": predicted,
         "predicted_at": report.baseline_peak_at if strategy == BASELINE else report.peak_at,
-        "model_at": model_at, "model_largest": model_largest,
+        "model_at": model_at, "model_largest": model_largest, "at": at,
     }
 
 
@@ -159,14 +168,17 @@ def _allocating_op(op):
 
 
 def format_breakdown(result):
+    moment = (f"when {result['at']!r} first allocates" if result.get("at")
+              else "at the step's peak")
     lines = [f"{result['model']} / {result['strategy']}: allocator (BFC) peak of the process "
-             f"{result['bfc_peak'] / MiB:.1f} MiB; at the step's peak from its allocation records "
+             f"{result['bfc_peak'] / MiB:.1f} MiB; {moment} from its allocation records "
              f"{(result['resident'] + result['records_peak']) / MiB:.1f} MiB, of which:",
              f"  {'weights (resident)':<18} {result['resident'] / MiB:8.1f} MiB"]
     for kind in ("forward", "recomputed", "gradients", "grads of xs"):
         lines.append(f"  {kind:<18} {result['by_kind'].get(kind, 0) / MiB:8.1f} MiB")
     lines.append(f"memory model: {result['predicted'] / MiB:.1f} MiB, at {result['predicted_at']}")
-    lines.append("largest buffers alive at the peak (allocator chunks):")
+    where = "then" if result.get("at") else "at the peak"
+    lines.append(f"largest buffers alive {where} (allocator chunks):")
     lines += [f"  {nbytes / MiB:7.2f} MiB  {kind:<11} {op_type:<22} {name}"
               for name, op_type, kind, nbytes in result["largest"]]
     lines.append(f"largest tensors the memory model holds at its own peak ({result['model_at']}):")
@@ -188,6 +200,10 @@ def main(argv=None):
                         help="build a Keras model under Keras' mixed precision policy")
     parser.add_argument("--image-size", type=int)
     parser.add_argument("--top", type=int, default=15, help="largest buffers to list")
+    parser.add_argument("--at", metavar="NAME",
+                        help="instead of the peak, what is alive when the first op whose name "
+                        "contains NAME allocates (e.g. the model's peak op's gradient, "
+                        "'conv2_block3_3_bn_1/batchnorm/mul_1_grad')")
     parser.add_argument("--timeout", type=int, default=1200)
     args = parser.parse_args(argv)
     options = {}
@@ -199,7 +215,7 @@ def main(argv=None):
         options["image_size"] = args.image_size
     result = measure.run_isolated(CHILD_TARGET, timeout=args.timeout, model=args.model,
                                   strategy=args.strategy, depth=args.depth, batch=args.batch,
-                                  top=args.top, model_options=options)
+                                  top=args.top, model_options=options, at=args.at)
     print(format_breakdown(result))
     return result
 

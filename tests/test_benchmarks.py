@@ -283,6 +283,14 @@ def test_peak_breakdown_accounts_for_every_byte_alive_at_the_measured_peak():
     assert "the memory model holds at its own peak" in printed
 
 
+def test_peak_breakdown_shows_what_is_alive_when_a_named_op_first_allocates():
+    # (time, bytes, op): a 4-byte peak while "b" runs; "c" allocates after "b" is freed.
+    events = [(0, 1, "a"), (1, 3, "b"), (2, -3, "b"), (3, 2, "c/grad"), (4, -1, "a")]
+    assert peak_breakdown._live_at_peak(events) == (4, {"a": 1, "b": 3})
+    assert peak_breakdown._live_at_peak(events, at="c/grad") == (3, {"a": 1, "c/grad": 2})
+    assert peak_breakdown._live_at_peak(events, at="nowhere") == (0, {})
+
+
 def test_graph_kinds_measures_both_kinds_of_graph_for_each_strategy(capsys):
     peaks = graph_kinds.main(["--model", "mlp", "--depth", "4", "--batch", "512",
                               "--strategies", "tf.gradients,memory", "--timeout", "300"])
