@@ -23,9 +23,9 @@ allocator's own peak for the process, and the memory model's prediction for the 
 plan (peak, where, and its breakdown), with the largest tensors the model holds at its
 own peak, to set beside the measured ones. `--at NAME` shows the moment the first op
 whose name contains NAME allocates instead of the peak: the model's peak op's gradient,
-to compare the two at the same point of the step. A kind may hold buffers forwarded from another
-(an elementwise op writes into its input's buffer when nobody else reads it): the
-record names the op that allocated it.
+to compare the two at the same point of the step. A kind may hold buffers forwarded
+from another (an elementwise op writes into its input's buffer when nobody else reads
+it): the record names the op that allocated it.
 """
 
 import argparse
