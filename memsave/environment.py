@@ -32,6 +32,8 @@ class Environment:
         without a GPU; None with one (its kernels' workspaces are not modelled).
       conv_threads: intra-op threads of TensorFlow's own CPU convolution gradients
         (kernels EIGEN), whose im2col buffers are part of the peak; else 0.
+      inter_op_threads: how many ops the CPU's executor runs side by side (its
+        inter-op threads); 1 on a machine with a GPU, whose kernels run in order.
       allocator: TensorFlow's allocator for the step's tensors ("BFC (GPU)",
         "BFC (GPU, growing)", "BFC (CPU, growing)"), or None for the CPU's default.
       gate_gradients: tf.gradients' gate_gradients=True: a weight's gradient is
@@ -51,6 +53,7 @@ class Environment:
     accelerator: bool = False
     kernels: Optional[str] = ONEDNN
     conv_threads: int = 0
+    inter_op_threads: int = 1
     allocator: Optional[str] = None
     gate_gradients: bool = False
     always_rewrite: bool = False
@@ -75,6 +78,7 @@ class Environment:
         under_xla = graph is not None and _tf_private.in_xla_context(graph)
         return cls(under_xla=under_xla, accelerator=accelerator,
                    kernels=kernels, conv_threads=_eigen_conv_threads(kernels),
+                   inter_op_threads=_inter_op_threads(kernels),
                    allocator=_allocator(accelerator), gate_gradients=bool(gate_gradients),
                    always_rewrite=bool(always_rewrite), recompute_loops=recompute_loops,
                    loop_chunk=loop_chunk, folds_constants=not under_xla and _folds_constants())
@@ -114,6 +118,12 @@ def _eigen_conv_threads(kernels):
     if kernels != EIGEN:
         return 0
     return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
+
+
+def _inter_op_threads(kernels):
+    if kernels is None:
+        return 1
+    return tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
 
 
 def _allocator(accelerator):

@@ -66,6 +66,11 @@ class StepGraph:
         `_find_deferred`).
       deferred_tensors: the tensor ids whose gradients those are (every op reading
         one, that gives it a gradient, is in `deferred` for it).
+      deferred_through: op id -> the (tensor id, gradient bytes) of its gradient the
+        rewrite makes last because they make a deferred gradient: a convolution's
+        filter gradient of a weight read through a Cast (`_defer_through`).
+      conv_workspaces: op id -> (filter gradient's, input gradient's) im2col bytes
+        of a convolution's gradient (opinfo.conv_gradient_workspace), where any.
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
       largest_bytes: the region's largest tensor.
@@ -121,9 +126,12 @@ class StepGraph:
         self.unknown_dims = []
         self.unknown_dim_size = 1
         self.conv_threads = 0
+        self.inter_op_threads = 1
         self.rewrite_grad_temporaries = {}
         self.deferred = {}
         self.deferred_tensors = set()
+        self.deferred_through = {}
+        self.conv_workspaces = {}
         self.workspaces = set()
         self.custom_gradient_ops = set()
         self.held = {}
@@ -160,6 +168,7 @@ class StepGraph:
         step.unknown_dim_size = unknown_dim_size
         step.loop_mode = environment.recompute_loops
         step.conv_threads = environment.conv_threads
+        step.inter_op_threads = environment.inter_op_threads
         step.xla_cpu = environment.kernels is not None  # (no GPU: XLA compiles for the CPU)
         ops = _forward_ops_in_order(region.ys)
         kept = {op for op, _ in region.kept_ops}
@@ -399,6 +408,8 @@ class StepGraph:
         if self.conv_threads:
             for_filter, for_input = opinfo.conv_gradient_workspace(
                 op, differentiated, self.conv_threads)
+            if for_filter or for_input:
+                self.conv_workspaces[index] = (for_filter, for_input)
             # tf.gradients runs the two side by side; the rewrite one after the other.
             self.grad_temporaries[index] += for_filter + for_input
             self.rewrite_grad_temporaries[index] = (self.grad_temporaries[index]
@@ -438,6 +449,24 @@ class StepGraph:
                 self.deferred_tensors.add(tid)
                 for op, nbytes in found:
                     self.deferred.setdefault(op, []).append((tid, nbytes))
+        for op in sorted(self.deferred):
+            self._defer_through(op)
+
+    def _defer_through(self, op):
+        """Where deferred op `op` converts what it reads (a Cast of a float32 weight to
+        bfloat16), the rewrite makes last what makes its outputs' gradients too (the
+        convolutions' filter gradients: `_held_if_deferred`): their contributions to
+        those outputs are recorded in `deferred_through`."""
+        outputs = self.outputs[op]
+        readers = sorted({c for t in outputs for c in self.consumers[t]})
+        if not (self.ops[op].type in _CONVERTING_TYPES and readers
+                and all(self.kind[c] == REGION for c in readers)):
+            return
+        for reader in readers:
+            pairs = [(t, nbytes) for t, nbytes in self.grad_inputs[reader] if t in outputs]
+            if pairs:
+                self.deferred_through.setdefault(reader, []).extend(pairs)
+                self._defer_through(reader)
 
     def _held_if_deferred(self, op, made_from=()):
         """Bytes held to the end of the backward pass where op `op`'s gradient of a weight

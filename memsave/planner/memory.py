@@ -527,9 +527,13 @@ class MemoryModel:
         later = ()
         if deferred is not None:  # a segment of the rewrite
             temporaries = graph.rewrite_grad_temporaries.get(op, temporaries)
-            later = graph.deferred.get(op, ())
+            later = tuple(graph.deferred.get(op, ())) + tuple(graph.deferred_through.get(op, ()))
             if later:
-                deferred.append((op, later, reads + incoming, temporaries))
+                temporaries, temporaries_later = self._split_temporaries(op, later, temporaries)
+                # (what a converted weight's gradient is made from: not the weight)
+                converted = {buffers[tid] for tid, _ in graph.deferred_through.get(op, ())}
+                deferred.append((op, later, [b for b in reads if b not in converted] + incoming,
+                                 temporaries_later))
         if temporaries:
             timeline.buffer(step, temporaries, "gradients", -(op + 1))
         into = graph.gradient_into_output(op)
@@ -541,15 +545,39 @@ class MemoryModel:
                 shares = buffers[into[1]]
             gradients.contribute(tid, nbytes, step, shares)
 
+    def _split_temporaries(self, op, later, temporaries):
+        """(the temporaries of op `op`'s gradient in its segment, those of its part made
+        last): a convolution whose filter gradient is made last makes its filter
+        gradient's im2col buffer then, and only its input gradient's in the segment."""
+        graph = self.graph
+        workspaces = graph.conv_workspaces.get(op)
+        if workspaces is None or len(graph.inputs[op]) < 2 or not any(
+                tid == graph.inputs[op][1] for tid, _ in later):
+            return temporaries, temporaries
+        for_filter, for_input = workspaces
+        others = graph.grad_temporaries[op] - for_filter - for_input
+        return others + for_input, for_filter
+
     def _deferred_steps(self, deferred, gradients, timeline):
         """The gradients the rewrite makes after every segment, in the order it made
-        their segments' backward passes; each keeps what it reads alive until then."""
-        for op, pairs, held, temporaries in deferred:
-            step = timeline.step(("deferred", op, None))
+        their segments' backward passes; each keeps what it reads alive until then.
+        They wait for the same tensors, so the executor runs as many side by side as it
+        has threads (StepGraph.inter_op_threads): each one's temporaries (a filter
+        gradient's im2col buffer) are alive through the next ones' steps."""
+        steps = [timeline.step(("deferred", op, None)) for op, _, _, _ in deferred]
+        # (the steps that make temporaries: a filter gradient's, not the Cast after it)
+        working = [step for step, entry in zip(steps, deferred) if entry[3]]
+        position = {step: index for index, step in enumerate(working)}
+        side_by_side = max(self.graph.inter_op_threads, 1)
+        for step, (op, pairs, held, temporaries) in zip(steps, deferred):
             for buffer in held:
                 timeline.use(buffer, step)
+            for tid in self.graph.outputs[op]:  # (made here where deferred through op)
+                gradients.consume(tid, step)
             if temporaries:
-                timeline.buffer(step, temporaries, "gradients", -(op + 1))
+                index = position[step]
+                timeline.buffer(step, temporaries, "gradients", -(op + 1),
+                                end=working[min(index + side_by_side, len(working)) - 1])
             for tid, nbytes in pairs:
                 gradients.contribute(tid, nbytes, step)
 
