@@ -266,6 +266,7 @@ class MemoryModel:
         self._held_buffers = {}  # op id -> what its gradient keeps that no tensor shows
         self._folded_buffers = {}  # op id -> its folded product (StepGraph.folded)
         self._rewriting = False
+        self._running = []
         self._recomputed_loops = frozenset(graph.recomputed_loops())
 
     # -- public -------------------------------------------------------------------
@@ -368,6 +369,7 @@ class MemoryModel:
         self._folded_buffers = forward_pass.folded_buffers
         self._last = (key, timeline, segmentation)
         self._rewriting = segmentation is not None
+        self._running = []  # [steps left, buffers] of gradient steps still running
         if self._rewriting:
             # The rewrite differentiates these loops' recomputing copies: the loops
             # themselves keep nothing for the backward pass.
@@ -391,8 +393,9 @@ class MemoryModel:
                 gradients.seed(tid, start)
         recompute, back, deferred = 0, [], 0
         if segmentation is None:
-            for op in self._backward_order(self.path_ops):
-                self._gradient_step(op, forward, gradients, timeline, ("backward", op, None))
+            for op, beside in self._backward_order(self.path_ops):
+                self._gradient_step(op, forward, gradients, timeline, ("backward", op, None),
+                                    beside=beside)
         else:
             recompute, back, deferred = self._segments(
                 segmentation, forward, gradients, timeline, offloaded, prefetch, ahead)
@@ -491,12 +494,16 @@ class MemoryModel:
                 folded_buffers[op] = timeline.buffer(step, graph.folded[op], "forward", -(op + 1))
         return buffers
 
-    def _gradient_step(self, op, buffers, gradients, timeline, label, deferred=None):
+    def _gradient_step(self, op, buffers, gradients, timeline, label, deferred=None,
+                       beside=0):
         """One op's gradient. In a segment of the rewrite (`deferred` a list), the
         contributions the rewrite makes last (StepGraph.deferred) are left out and
-        appended to `deferred` with the buffers they keep alive until then."""
+        appended to `deferred` with the buffers they keep alive until then. `beside`:
+        how many of the next gradient steps start while this one runs (_backward_order):
+        what it reads and its temporaries are alive through them."""
         graph = self.graph
         step = timeline.step(label)
+        self._run_beside(step, timeline)
         incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
         reads = [buffers[tid] for tid in graph.grad_reads[op]]
         held = (buffers.held(op) if isinstance(buffers, _Overlay)
@@ -534,8 +541,11 @@ class MemoryModel:
                 converted = {buffers[tid] for tid, _ in graph.deferred_through.get(op, ())}
                 deferred.append((op, later, [b for b in reads if b not in converted] + incoming,
                                  temporaries_later))
+        running = reads + incoming
         if temporaries:
-            timeline.buffer(step, temporaries, "gradients", -(op + 1))
+            running.append(timeline.buffer(step, temporaries, "gradients", -(op + 1)))
+        if beside:
+            self._running.append([beside, running])
         into = graph.gradient_into_output(op)
         for tid, nbytes in graph.grad_inputs[op]:
             if later and (tid, nbytes) in later:
@@ -544,6 +554,15 @@ class MemoryModel:
             if into is not None and into[0] == tid:
                 shares = buffers[into[1]]
             gradients.contribute(tid, nbytes, step, shares)
+
+    def _run_beside(self, step, timeline):
+        """Gradient step `step` starts while the earlier ones that run beside it still
+        run: what they read and their temporaries are alive through it too."""
+        for entry in self._running:
+            entry[0] -= 1
+            for buffer in entry[1]:
+                timeline.use(buffer, step)
+        self._running = [entry for entry in self._running if entry[0] > 0]
 
     def _split_temporaries(self, op, later, temporaries):
         """(the temporaries of op `op`'s gradient in its segment, those of its part made
@@ -609,14 +628,15 @@ class MemoryModel:
         for index in range(len(order)):
             if offloaded:  # (a step of its own only then: plain predictions stay as they were)
                 starts.append(timeline.step(("segment", None, index)))
-            for op in self._backward_order(segmentation.kept_before.get(index, [])):
-                self._gradient_step(op, forward, gradients, timeline, ("kept", op, index))
+            for op, beside in self._backward_order(segmentation.kept_before.get(index, [])):
+                self._gradient_step(op, forward, gradients, timeline, ("kept", op, index),
+                                    beside=beside)
             recompute_through(index + 1 if ahead else index)
             view = _Overlay(recomputed[index], forward, segmentation.reads_forward)
             recomputed[index] = None
-            for op in self._backward_order(segmentation.ops[order[index]]):
+            for op, beside in self._backward_order(segmentation.ops[order[index]]):
                 self._gradient_step(op, view, gradients, timeline, ("backward", op, index),
-                                    deferred)
+                                    deferred, beside)
                 while ahead and len(recomputed) < len(order) and gradients.complete(
                         waits_for[len(recomputed) - 1]):
                     recompute_through(len(recomputed))
@@ -687,7 +707,12 @@ class MemoryModel:
     def _backward_order(self, ops):
         """The gradient steps of `ops` (producers first) in the order an executor
         runs them: each as soon as the gradients of all its outputs are complete,
-        first come first served, so parallel branches interleave."""
+        first come first served, so parallel branches interleave.
+
+        Returns [(op, beside)]: `beside` is how many of the steps after it start while
+        it runs: those already waiting when it starts (independent of it: another
+        branch's), as many as the executor has further threads
+        (StepGraph.inter_op_threads), 0 in a chain."""
         graph = self.graph
         members = set(ops)
         waiting = {}
@@ -697,10 +722,11 @@ class MemoryModel:
                 if producer in members:
                     waiting[producer] = waiting.get(producer, 0) + 1
         ready = collections.deque(op for op in reversed(ops) if op not in waiting)
+        further_threads = max(graph.inter_op_threads, 1) - 1
         order = []
         while ready:
             op = ready.popleft()
-            order.append(op)
+            order.append((op, min(len(ready), further_threads)))
             for tid, _ in graph.grad_inputs[op]:
                 producer = graph.producer[tid]
                 if producer in members:
@@ -708,8 +734,8 @@ class MemoryModel:
                     if waiting[producer] == 0:
                         ready.append(producer)
         if len(order) < len(ops):  # a cycle: keep what was ordered, then the rest
-            done = set(order)
-            order += [op for op in reversed(ops) if op not in done]
+            done = {op for op, _ in order}
+            order += [(op, 0) for op in reversed(ops) if op not in done]
         return order
 
     def describe(self, label, segmentation):
