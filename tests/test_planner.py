@@ -1286,6 +1286,36 @@ def test_deferred_filter_gradients_run_side_by_side_as_the_executor_runs_them(mo
     assert peaks[2] - peaks[1] == pytest.approx(for_filter, rel=0.01), (peaks, for_filter)
 
 
+def test_independent_branches_gradients_run_side_by_side_as_the_executor_runs_them():
+    """Two branches (a matmul and a softmax of 64 x 2048 floats each) meet in a sum: their
+    gradient steps wait for nothing of each other, so an executor with two inter-op
+    threads runs them two at a time, and each one's softmax output and temporaries are
+    alive while the other runs (ResNet's shortcut and main branch in a block's backward
+    pass: ResNet50 96 px under mixed_bfloat16, 'memory', measured 234.7 MiB for a plan
+    predicted at 209.5 when the model ran them one at a time)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 256])
+        branches = [tf.nn.softmax(tf.matmul(x, tf.constant(np.ones([256, 2048], np.float32))))
+                    for _ in range(2)]
+        loss = tf.add_n([tf.reduce_sum(branch) for branch in branches])
+        environment = planner.Environment.read(loss.graph)
+        orders, peaks = {}, {}
+        for threads in (1, 2, 4):
+            model = planner.model_of(ForwardRegion.build([loss], [x]),
+                                     dataclasses.replace(environment, inter_op_threads=threads))
+            orders[threads] = [(model.graph.ops[op].name, beside)
+                               for op, beside in model._backward_order(model.path_ops)]
+            peaks[threads] = model.baseline().peak_bytes
+    # The branches interleave; each step but the last of a pair starts beside the next.
+    assert orders[1] == [(name, 0) for name, _ in orders[2]]
+    assert orders[2] == [("AddN", 0), ("Sum", 1), ("Sum_1", 1), ("Softmax", 1),
+                         ("Softmax_1", 1), ("MatMul", 1), ("MatMul_1", 0)]
+    # Only one other branch is ever waiting: more threads change nothing.
+    assert orders[4] == orders[2] and peaks[4] == peaks[2]
+    one_branch_tensor = 64 * 2048 * 4
+    assert peaks[2] - peaks[1] == one_branch_tensor, peaks
+
+
 def test_a_weight_gradient_is_deferred_only_where_every_reader_and_a_dense_gradient_allow():
     with tf.Graph().as_default():
         x, w, h, product, loss = _trunk_and_wide_head()
