@@ -438,12 +438,7 @@ class MemoryModel:
         allocate their outputs: simulated once per set, copied per plan."""
         forward_pass = self._forward_passes.get(unforwardable)
         if forward_pass is None:
-            timeline, loop_buffers, held_buffers, folded_buffers = _Timeline(), {}, {}, {}
-            buffers = self._forward(timeline, unforwardable, loop_buffers, held_buffers,
-                                    folded_buffers)
-            forward_pass = _ForwardPass(timeline, buffers, loop_buffers, held_buffers,
-                                        folded_buffers)
-            self._forward_passes[unforwardable] = forward_pass
+            forward_pass = self._forward_passes[unforwardable] = self._forward(unforwardable)
         return forward_pass
 
     def _unforwardable(self, segmentation):
@@ -465,13 +460,12 @@ class MemoryModel:
                 tid = graph.alias_of[tid]
         return frozenset(unforwardable)
 
-    def _forward(self, timeline, unforwardable, loop_buffers, held_buffers, folded_buffers):
-        """Runs every forward op; returns the buffer of each tensor (and fills
-        `loop_buffers`: loop op id -> what TensorFlow's gradient keeps of it, and
-        `held_buffers`: op id -> what its gradient keeps that no tensor shows, and
-        `folded_buffers`: op id -> its folded product)."""
+    def _forward(self, unforwardable):
+        """Runs every forward op: a _ForwardPass."""
         graph = self.graph
-        buffers = [None] * len(graph.tensors)
+        timeline = _Timeline()
+        run = _ForwardPass(timeline, [None] * len(graph.tensors), {}, {}, {})
+        buffers = run.buffers
         for op, kind in enumerate(graph.kind):
             step = 0 if kind == RESIDENT else timeline.step(("forward", op, None))
             for tid in graph.inputs[op]:
@@ -486,13 +480,14 @@ class MemoryModel:
                         tid, _FOREVER if kind == RESIDENT else None, graph.pieces.get(tid, 1))
             loop = graph.loops.get(op)
             if loop is not None:
-                loop_buffers[op] = timeline.buffer(
+                run.loop_buffers[op] = timeline.buffer(
                     step, loop.kept_by_tensorflow, "loop", -(op + 1), pieces=loop.iterations)
             if op in graph.held:
-                held_buffers[op] = timeline.buffer(step, graph.held[op], "forward", -(op + 1))
+                run.held_buffers[op] = timeline.buffer(step, graph.held[op], "forward", -(op + 1))
             if op in graph.folded:
-                folded_buffers[op] = timeline.buffer(step, graph.folded[op], "forward", -(op + 1))
-        return buffers
+                run.folded_buffers[op] = timeline.buffer(step, graph.folded[op], "forward",
+                                                         -(op + 1))
+        return run
 
     def _gradient_step(self, op, buffers, gradients, timeline, label, deferred=None,
                        beside=0):
