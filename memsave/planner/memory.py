@@ -23,9 +23,14 @@ segment's recomputation followed by its backward pass (for a plan that
 recomputes ahead, each recomputation as soon as the gradient it waits for is
 complete, within an earlier segment's backward pass), whose gradient steps run
 as an executor runs them: each once its incoming gradients are complete, first
-come first served, so the backward passes of parallel branches interleave; then
-the weight gradients the rewrite makes last (StepGraph.deferred: each larger than
-what it reads, which stays alive until then). The peak is the largest
+come first served, so the backward passes of parallel branches interleave. An
+executor with several inter-op threads (StepGraph.inter_op_threads) runs a step
+beside those already waiting when it starts (another branch's: a ResNet block's
+shortcut and main branch), so what it reads and its temporaries stay alive through
+them. Then the weight gradients the rewrite makes last (StepGraph.deferred: each
+larger than what it reads, which stays alive until then; a convolution's filter
+gradient of a weight read through a Cast with it, StepGraph.deferred_through), as
+many side by side as the executor has threads. The peak is the largest
 sum of live buffers over all steps, counting an op's inputs and outputs at once;
 on request the step is also replayed through the device's allocator
 (memsave.planner.allocator), which holds more than the tensors need.
