@@ -138,7 +138,9 @@ class Plan:
             report.calibrated_peak_bytes = (measured if prediction is None
                                             else self.calibrated.measured(
                                                 prediction.device_peak_bytes))
-        if prediction is None:
+        if prediction is None or self.fallback is not None:
+            # (plain tf.gradients runs: its peak is the one to expect; the fallback's
+            # reason gives the declined plan's)
             report.predicted_peak_bytes = baseline.device_peak_bytes
             report.predicted_live_bytes = baseline.peak_bytes
             report.peak_at = baseline.device_peak_at

@@ -31,6 +31,7 @@ def _gradient_fn(mode, marks):
             checkpoints = mode
         result = memsave.gradients(ys, xs, checkpoints=checkpoints)
         _PREDICTED["bytes"] = memsave.last_report().predicted_peak_bytes
+        _PREDICTED["rewritten"] = not memsave.last_report().fallback
         return result
     return gradients
 
@@ -57,6 +58,7 @@ def _measure(step, *args):
     step(*args)  # trace and warm up outside the measured calls
     peak, grads = _peak_over_calls(lambda: [g.numpy() for g in step(*args)])
     return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
+            "rewritten": _PREDICTED.get("rewritten", False),
             "checksum": float(sum(np.sum(g, dtype=np.float64) for g in grads))}
 
 
