@@ -32,8 +32,9 @@ class Environment:
         without a GPU; None with one (its kernels' workspaces are not modelled).
       conv_threads: intra-op threads of TensorFlow's own CPU convolution gradients
         (kernels EIGEN), whose im2col buffers are part of the peak; else 0.
-      inter_op_threads: how many ops the CPU's executor runs side by side (its
-        inter-op threads); 1 on a machine with a GPU, whose kernels run in order.
+      inter_op_threads: how many gradient steps the memory model runs side by side
+        (the CPU executor's inter-op threads, at most MAX_SIDE_BY_SIDE); 1 with a GPU,
+        whose kernels run in order, and under XLA.
       allocator: TensorFlow's allocator for the step's tensors ("BFC (GPU)",
         "BFC (GPU, growing)", "BFC (CPU, growing)"), or None for the CPU's default.
       gate_gradients: tf.gradients' gate_gradients=True: a weight's gradient is
@@ -78,7 +79,7 @@ class Environment:
         under_xla = graph is not None and _tf_private.in_xla_context(graph)
         return cls(under_xla=under_xla, accelerator=accelerator,
                    kernels=kernels, conv_threads=_eigen_conv_threads(kernels),
-                   inter_op_threads=_inter_op_threads(kernels),
+                   inter_op_threads=_inter_op_threads(kernels, under_xla),
                    allocator=_allocator(accelerator), gate_gradients=bool(gate_gradients),
                    always_rewrite=bool(always_rewrite), recompute_loops=recompute_loops,
                    loop_chunk=loop_chunk, folds_constants=not under_xla and _folds_constants())
@@ -120,10 +121,28 @@ def _eigen_conv_threads(kernels):
     return tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count() or 1
 
 
-def _inter_op_threads(kernels):
-    if kernels is None:
+# The most gradient steps the memory model runs side by side on a CPU. The executor
+# starts as many ready ops as it has inter-op threads (one per core by default), but
+# only two were ever measured (2-core machines: a ResNet block's two branches, two
+# deferred filter gradients); more would make 'memory' decline rewrites on a guess.
+MAX_SIDE_BY_SIDE = 2
+
+
+def _inter_op_threads(kernels, under_xla):
+    """How many ops the executor runs side by side: 1 on a GPU (a stream runs its
+    kernels in order) and under XLA (which schedules its own), else the inter-op
+    threads TensorFlow uses (tf.config.threading, TF_NUM_INTEROP_THREADS, or one per
+    core this process may use), at most MAX_SIDE_BY_SIDE."""
+    if kernels is None or under_xla:
         return 1
-    return tf.config.threading.get_inter_op_parallelism_threads() or os.cpu_count() or 1
+    configured = tf.config.threading.get_inter_op_parallelism_threads()
+    if not configured:
+        setting = os.environ.get("TF_NUM_INTEROP_THREADS", "")
+        configured = int(setting) if setting.strip().isdigit() else 0
+    if not configured:
+        configured = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1)
+    return max(1, min(configured, MAX_SIDE_BY_SIDE))
 
 
 def _allocator(accelerator):

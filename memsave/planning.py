@@ -129,18 +129,17 @@ class Plan:
                    for op, memory in sorted(graph.loops.items())])
         for info in report.checkpoints:
             info.offloaded = info.name in self.offloaded
+        # Where plain tf.gradients answers, its peak is the one to expect (and the one
+        # measured); the fallback's reason gives the declined plan's.
+        runs_plain = prediction is None or self.fallback is not None
         if self.calibrated is not None:
             measured = self.calibrated.calibration.peak_bytes
             report.memory_calibration = self.calibrated.describe()
             report.measured_baseline_peak_bytes = measured
             report.unknown_dim_size_measured = self.calibrated.dims_measured
-            # (Where plain tf.gradients answers, its peak is the one measured.)
-            report.calibrated_peak_bytes = (measured if prediction is None
-                                            else self.calibrated.measured(
-                                                prediction.device_peak_bytes))
-        if prediction is None or self.fallback is not None:
-            # (plain tf.gradients runs: its peak is the one to expect; the fallback's
-            # reason gives the declined plan's)
+            report.calibrated_peak_bytes = (measured if runs_plain else self.calibrated.measured(
+                prediction.device_peak_bytes))
+        if runs_plain:
             report.predicted_peak_bytes = baseline.device_peak_bytes
             report.predicted_live_bytes = baseline.peak_bytes
             report.peak_at = baseline.device_peak_at

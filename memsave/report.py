@@ -51,7 +51,8 @@ class RewriteReport:
 
     Sizes are static estimates (unknown dimensions count as 1). Peaks are the
     memory model's (memsave.planner.memory): `predicted_peak_bytes` for this
-    plan, `baseline_peak_bytes` for plain tf.gradients on the same step, both
+    plan (tf.gradients' own where plain tf.gradients answers: `fallback` gives the
+    declined plan's), `baseline_peak_bytes` for plain tf.gradients on the same step, both
     including `resident_bytes` (inputs, constants, variables); where TensorFlow's
     allocator is BFC (GPUs; the CPU with TF_CPU_ALLOCATOR_USE_BFC=true) both are what
     it holds, chunks rounded up as it hands them out (memsave.planner.allocator),

@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from memsave.graph import _tf_private
 from memsave.measure import memory_limit_env, run_isolated, xla_buffer_bytes, xla_dump_env
 
 from _versions import XLA_SAVINGS_MEASURED
@@ -231,20 +232,23 @@ def test_mixed_precision_weight_gradients_made_last_are_predicted_and_never_chos
     """Eight 3x3 convolutions of 256 channels at 8x8 pixels under mixed_bfloat16: large
     float32 weights read through Casts, small activations. The rewrite makes a Cast
     weight's gradient last with the filter gradient that makes it, and an executor with
-    two threads runs those side by side with their im2col buffers (TensorFlow's own
-    kernels). Where the model knew neither, 'memory' rewrote this step to 54.4-55.0 MiB,
-    predicted 41.9, above tf.gradients' 43.5-54.3. Now it predicts the rewrite (AMD EPYC
-    without AVX-512: 52.5 predicted) above tf.gradients (47.0), so plain tf.gradients
-    runs; forced, the rewrite is measured at its prediction."""
+    two threads runs those side by side, with their im2col buffers where TensorFlow's
+    own kernels run (oneDNN off). Where the model knew neither, 'memory' rewrote this
+    step to 54.4-55.0 MiB, predicted 41.9, above tf.gradients' 43.5-54.3 (AMD EPYC
+    without AVX-512). Now it predicts the rewrite there (52.1) above tf.gradients' 47.0,
+    so plain tf.gradients runs; forced, the rewrite is measured at its prediction."""
     options = dict(blocks=8, batch=4, size=8, channels=256)
     baseline = measure("bfloat16_cnn", mode="tf", **options)
     got = measure("bfloat16_cnn", mode="memory", **options)
-    assert not got["rewritten"], got
     forced = run_isolated("_memory_cases:bfloat16_cnn", mode="memory", **options, env={
         "PYTHONPATH": TESTS_DIR, "MEMSAVE_ALWAYS_REWRITE": "1"})
     assert forced["rewritten"], forced
     _assert_predicted(forced, "bfloat16 convolutions of large weights, rewritten")
     _assert_predicted(baseline, "bfloat16 convolutions of large weights with tf.gradients")
+    if not _tf_private.onednn_enabled():  # (the im2col buffers: the rewrite costs)
+        assert not got["rewritten"], got
+    elif got["rewritten"]:
+        assert got["peak_mb"] <= 1.05 * baseline["peak_mb"], (got, baseline)
     for other in (got, forced):
         assert other["checksum"] == pytest.approx(baseline["checksum"], rel=1e-2)
 

@@ -3,6 +3,7 @@ force, budgets (errors, fallbacks), and the never-worse-than-tf.gradients rule."
 
 import dataclasses
 import itertools
+import os
 import warnings
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from memsave import environment as environment_lib
 from memsave import planner
 from memsave.graph import _tf_private
 from memsave.planner import costs, opinfo, search
@@ -1269,6 +1271,23 @@ def test_the_filter_gradient_of_a_weight_read_through_a_cast_is_made_last_with_i
             assert graph.deferred_through[graph.op_id[conv]] == [(tid, graph.size[tid])]
 
 
+def test_a_filter_gradient_is_made_last_only_in_the_segment_of_the_cast_it_goes_through():
+    """The rewrite makes the filter gradient last where the segment's tf.gradients call
+    makes the Cast's gradient too; where the Cast's output is a checkpoint (the Cast
+    heads a segment of its own), the convolution's segment makes it, as any gradient."""
+    with tf.Graph().as_default():
+        loss, xs, reads, convs = _bfloat16_conv_stack()
+        model = planner.model_of(ForwardRegion.build([loss], xs))
+        graph = model.graph
+        first, second = (graph.op_id[conv] for conv in convs[:2])
+        checkpoints = [graph.id_of(conv.outputs[0]) for conv in convs[:-1]]
+        model.predict(checkpoints)
+        assert model._made_last_through(first) == tuple(graph.deferred_through[first])
+        model.predict(checkpoints + [graph.id_of(reads[0])])
+        assert model._made_last_through(first) == ()
+        assert model._made_last_through(second) == tuple(graph.deferred_through[second])
+
+
 def test_deferred_filter_gradients_run_side_by_side_as_the_executor_runs_them(monkeypatch):
     """They all wait for the same tensors: with two inter-op threads two filter
     gradients' im2col buffers (TensorFlow's own kernels) are alive at once. Measured on
@@ -1277,7 +1296,10 @@ def test_deferred_filter_gradients_run_side_by_side_as_the_executor_runs_them(mo
     monkeypatch.setattr(_tf_private, "onednn_enabled", lambda: False)
     with tf.Graph().as_default():
         loss, xs, _, convs = _bfloat16_conv_stack()
-        environment = planner.Environment.read(loss.graph)
+        # (a CPU's, whatever this machine has: TensorFlow's own kernels on two threads)
+        environment = dataclasses.replace(
+            planner.Environment.read(loss.graph), accelerator=False,
+            kernels=environment_lib.EIGEN, conv_threads=2, allocator=None)
         peaks, models = {}, {}
         for threads in (1, 2):
             models[threads] = planner.model_of(
@@ -1288,7 +1310,32 @@ def test_deferred_filter_gradients_run_side_by_side_as_the_executor_runs_them(mo
     graph = models[2].graph
     for_filter, _ = graph.conv_workspaces[graph.op_id[convs[0]]]
     assert for_filter > 4 << 20
-    assert peaks[2] - peaks[1] == pytest.approx(for_filter, rel=0.01), (peaks, for_filter)
+    # Beside the next one: its im2col buffer, and what it reads (the convolution's input
+    # and its output's gradient, 4 x 8 x 8 x 256 bfloat16 each).
+    reads = 2 * 4 * 8 * 8 * 256 * 2
+    assert peaks[2] - peaks[1] == for_filter + reads, (peaks, for_filter)
+
+
+def test_side_by_side_steps_follow_tensorflows_inter_op_threads_up_to_what_was_measured(
+        monkeypatch):
+    threads = environment_lib._inter_op_threads
+    monkeypatch.setattr(tf.config.threading, "get_inter_op_parallelism_threads", lambda: 0)
+    monkeypatch.delenv("TF_NUM_INTEROP_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    # One per core by default, but no more than were measured side by side.
+    assert threads(environment_lib.EIGEN, under_xla=False) == environment_lib.MAX_SIDE_BY_SIDE
+    # Set through the environment or tf.config: one thread runs one op at a time.
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "1")
+    assert threads(environment_lib.EIGEN, under_xla=False) == 1
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "many")  # (as TensorFlow: not a number)
+    assert threads(environment_lib.ONEDNN, under_xla=False) == 2
+    monkeypatch.setattr(tf.config.threading, "get_inter_op_parallelism_threads", lambda: 1)
+    assert threads(environment_lib.ONEDNN, under_xla=False) == 1
+    monkeypatch.setattr(tf.config.threading, "get_inter_op_parallelism_threads", lambda: 8)
+    # A GPU's stream, and XLA, order their kernels themselves.
+    assert threads(None, under_xla=False) == 1
+    assert threads(environment_lib.EIGEN, under_xla=True) == 1
+    assert threads(environment_lib.EIGEN, under_xla=False) == 2
 
 
 def test_independent_branches_gradients_run_side_by_side_as_the_executor_runs_them():

@@ -103,6 +103,10 @@ class StepGraph:
       loop_mode: the memsave.recompute_loops mode the step was built under.
       xla_cpu: whether XLA programs run on a CPU (no GPU): a jit-compiled call's gradient
         then holds the temporaries its program hides (memsave.planner.xla_buffers).
+      conv_threads: intra-op threads of TensorFlow's own CPU convolution gradients, whose
+        im2col buffers count among their temporaries (Environment.conv_threads), or 0.
+      inter_op_threads: how many gradient steps run side by side where they do not wait
+        for each other (Environment.inter_op_threads; memsave.planner.memory).
       forwarded: ids of the tensors whose alias_of is an input whose buffer the kernel
         writes into (opinfo.FORWARDED_OUTPUTS): shared only where that input is made in
         the same pass, not a checkpoint read from the forward pass.

@@ -271,6 +271,7 @@ class MemoryModel:
         self._held_buffers = {}  # op id -> what its gradient keeps that no tensor shows
         self._folded_buffers = {}  # op id -> its folded product (StepGraph.folded)
         self._rewriting = False
+        self._segment_of = {}
         self._running = []
         self._recomputed_loops = frozenset(graph.recomputed_loops())
 
@@ -374,6 +375,7 @@ class MemoryModel:
         self._folded_buffers = forward_pass.folded_buffers
         self._last = (key, timeline, segmentation)
         self._rewriting = segmentation is not None
+        self._segment_of = {} if segmentation is None else segmentation.segment_of
         self._running = []  # [steps left, buffers] of gradient steps still running
         if self._rewriting:
             # The rewrite differentiates these loops' recomputing copies: the loops
@@ -534,11 +536,12 @@ class MemoryModel:
         later = ()
         if deferred is not None:  # a segment of the rewrite
             temporaries = graph.rewrite_grad_temporaries.get(op, temporaries)
-            later = tuple(graph.deferred.get(op, ())) + tuple(graph.deferred_through.get(op, ()))
+            through = self._made_last_through(op)
+            later = tuple(graph.deferred.get(op, ())) + through
             if later:
                 temporaries, temporaries_later = self._split_temporaries(op, later, temporaries)
                 # (what a converted weight's gradient is made from: not the weight)
-                converted = {buffers[tid] for tid, _ in graph.deferred_through.get(op, ())}
+                converted = {buffers[tid] for tid, _ in through}
                 deferred.append((op, later, [b for b in reads if b not in converted] + incoming,
                                  temporaries_later))
         running = reads + incoming
@@ -564,6 +567,15 @@ class MemoryModel:
                 timeline.use(buffer, step)
         self._running = [entry for entry in self._running if entry[0] > 0]
 
+    def _made_last_through(self, op):
+        """The contributions of op `op`'s gradient made last with a converted weight's
+        (StepGraph.deferred_through): only where the op converting it (the Cast) is in
+        the same segment, whose tf.gradients call makes them both; a Cast that heads a
+        segment of its own (its output a checkpoint) gets its gradient from `op`'s."""
+        graph, segment_of = self.graph, self._segment_of
+        return tuple((tid, nbytes) for tid, nbytes in graph.deferred_through.get(op, ())
+                     if segment_of.get(graph.producer[tid]) == segment_of.get(op))
+
     def _split_temporaries(self, op, later, temporaries):
         """(the temporaries of op `op`'s gradient in its segment, those of its part made
         last): a convolution whose filter gradient is made last makes its filter
@@ -574,29 +586,32 @@ class MemoryModel:
                 tid == graph.inputs[op][1] for tid, _ in later):
             return temporaries, temporaries
         for_filter, for_input = workspaces
-        others = graph.grad_temporaries[op] - for_filter - for_input
+        # (`temporaries` holds the larger of the two buffers: the rewrite makes the two
+        # gradients one after the other, StepGraph.rewrite_grad_temporaries)
+        others = temporaries - max(for_filter, for_input)
         return others + for_input, for_filter
 
     def _deferred_steps(self, deferred, gradients, timeline):
         """The gradients the rewrite makes after every segment, in the order it made
         their segments' backward passes; each keeps what it reads alive until then.
         They wait for the same tensors, so the executor runs as many side by side as it
-        has threads (StepGraph.inter_op_threads): each one's temporaries (a filter
-        gradient's im2col buffer) are alive through the next ones' steps."""
+        has threads (StepGraph.inter_op_threads): what each one reads and its
+        temporaries (a filter gradient's im2col buffer) are alive through the next
+        ones' steps. (Counted in steps that make temporaries, a filter gradient's: the
+        Cast of its result to the weight's float32 takes no thread for long.)"""
         steps = [timeline.step(("deferred", op, None)) for op, _, _, _ in deferred]
-        # (the steps that make temporaries: a filter gradient's, not the Cast after it)
         working = [step for step, entry in zip(steps, deferred) if entry[3]]
         position = {step: index for index, step in enumerate(working)}
         side_by_side = max(self.graph.inter_op_threads, 1)
         for step, (op, pairs, held, temporaries) in zip(steps, deferred):
-            for buffer in held:
-                timeline.use(buffer, step)
-            for tid in self.graph.outputs[op]:  # (made here where deferred through op)
-                gradients.consume(tid, step)
+            until = step
             if temporaries:
-                index = position[step]
-                timeline.buffer(step, temporaries, "gradients", -(op + 1),
-                                end=working[min(index + side_by_side, len(working)) - 1])
+                until = working[min(position[step] + side_by_side, len(working)) - 1]
+                timeline.buffer(step, temporaries, "gradients", -(op + 1), end=until)
+            for buffer in held:
+                timeline.use(buffer, until)
+            for tid in self.graph.outputs[op]:  # (made here where deferred through op)
+                gradients.consume(tid, until)
             for tid, nbytes in pairs:
                 gradients.contribute(tid, nbytes, step)
 
@@ -643,7 +658,8 @@ class MemoryModel:
         self._deferred_steps(deferred, gradients, timeline)
         for op in reversed(segmentation.final_ops):
             self._gradient_step(op, forward, gradients, timeline, ("final", op, None))
-        return recompute, back, len(deferred)
+        # (weight gradients: not the filter gradients made last with them, deferred_through)
+        return recompute, back, sum(1 for op, *_ in deferred if op in self.graph.deferred)
 
     def _trigger(self, segmentation, head):
         """The tensor ids whose gradients segment `head`'s copies wait for (the rewrite's

@@ -23,8 +23,9 @@ by the one segment that reads them, so they never make a cut expensive.
   longest for their backward), and its cost is then recomputation plus transfers.
 
 On regions of up to LOCAL_SEARCH_LIMIT candidates, a budget's search goes on from the
-cut plans by local moves (a checkpoint added, dropped or moved to a neighbour): there
-the greedy cuts alone recomputed up to twice what the least costly fitting plan does.
+best of the cut plans and the one-checkpoint plans by local moves (a checkpoint added,
+dropped or moved to a neighbour): there the greedy cuts alone recomputed up to twice
+what the least costly fitting plan does.
 
 On small regions the searches try every subset of the candidate tensors, so small
 graphs get the optimum of the model: up to EXACT_PEAK_LIMIT candidates for the
@@ -408,10 +409,10 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
             if fitted is not None:
                 found.append(fitted)
     if len(tensors) <= LOCAL_SEARCH_LIMIT:
-        # (also from each plan of one checkpoint: the local search drops one checkpoint
-        # at a time and stops where each drop alone costs more, so from the cut plans
-        # it may not reach one: on a random DAG of 14 ops, 3.49 MFLOP recomputed where
-        # a single checkpoint recomputes 2.89)
+        # (the one-checkpoint plans among its starting points: it starts from the best
+        # one and drops one checkpoint at a time, stopping where each drop alone costs
+        # more, so from the cut plans it may not reach them: on a random DAG of 14 ops,
+        # 3.49 MFLOP recomputed where one checkpoint that fits recomputes 2.89)
         singles = [[t] for t in tensors]
         found.append(_improved(search, plans + [f[1] for f in found] + singles, limit_bytes))
     if search.offloadable is not None:  # never costlier than the plan without offload
@@ -423,7 +424,7 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
 def _improved(search, plans, limit_bytes):
     """A local search from the best of `plans` (the cut plans, which on a small region
     can recompute twice what the least costly plan does, or all miss a limit that
-    some plan meets): each round moves to the best neighbour (one candidate added,
+    some plan meets, and the one-checkpoint plans): each round moves to the best neighbour (one candidate added,
     one dropped, or one moved to a candidate up to two places away in topological
     order) until none is better. A plan that fits (its live tensors) is better than
     one that does not; among fitting plans less cost is better, among the others a
