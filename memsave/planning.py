@@ -130,8 +130,10 @@ class Plan:
         for info in report.checkpoints:
             info.offloaded = info.name in self.offloaded
         # Where plain tf.gradients answers, its peak is the one to expect (and the one
-        # measured); the fallback's reason gives the declined plan's.
+        # measured); the declined plan's is kept apart.
         runs_plain = prediction is None or self.fallback is not None
+        if prediction is not None and self.fallback is not None:
+            report.declined_peak_bytes = prediction.device_peak_bytes
         if self.calibrated is not None:
             measured = self.calibrated.calibration.peak_bytes
             report.memory_calibration = self.calibrated.describe()

@@ -51,9 +51,10 @@ class RewriteReport:
 
     Sizes are static estimates (unknown dimensions count as 1). Peaks are the
     memory model's (memsave.planner.memory): `predicted_peak_bytes` for this
-    plan (tf.gradients' own where plain tf.gradients answers: `fallback` gives the
-    declined plan's), `baseline_peak_bytes` for plain tf.gradients on the same step, both
-    including `resident_bytes` (inputs, constants, variables); where TensorFlow's
+    plan (tf.gradients' own where plain tf.gradients answers: `fallback` says why,
+    `declined_peak_bytes` is the declined plan's), `baseline_peak_bytes` for plain
+    tf.gradients on the same step, both including `resident_bytes` (inputs,
+    constants, variables); where TensorFlow's
     allocator is BFC (GPUs; the CPU with TF_CPU_ALLOCATOR_USE_BFC=true) both are what
     it holds, chunks rounded up as it hands them out (memsave.planner.allocator),
     and `predicted_live_bytes` is the plan's peak of live tensors alone. `peak_at` says
@@ -101,6 +102,7 @@ class RewriteReport:
     not_recomputable: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
     segments: List[SegmentInfo] = dataclasses.field(default_factory=list)
     fallback: Optional[str] = None
+    declined_peak_bytes: Optional[int] = None
     predicted_peak_bytes: Optional[int] = None
     predicted_live_bytes: Optional[int] = None
     peak_at: Optional[str] = None
