@@ -86,12 +86,23 @@ def copies_that_run(copied_ops, made_before):
     return [op for op in copied_ops if op in running]
 
 
+# Ops Grappler's arithmetic optimizer moves ahead of the value-preserving ops they read
+# (ReorderCastLikeAndValuePreserving: Cast(Identity(w)) to bfloat16 becomes
+# Identity(Cast(w))): the moved op keeps its own control inputs only.
+_MOVED_AHEAD_BY_GRAPPLER = frozenset({"Cast"})
+
+
 def wait_for(cone, trigger_ops):
     """The ops of `cone` that read nothing made within it wait for `trigger_ops`
-    (through `done_ops`)."""
+    (through `done_ops`), and so do its Casts: Grappler moves a narrowing Cast ahead of
+    the identity it reads (a segment's local input), where, without control inputs of
+    its own, it would run as soon as its input exists. Measured (AMD EPYC, Keras
+    ResNet50 96 px under mixed_bfloat16, a budget's plan of 217 segments): every
+    segment's bfloat16 copies of its float32 kernels were made in the forward pass,
+    64 MiB of them alive at the step's peak."""
     trigger_ops = done_ops(trigger_ops)
     for op in cone:
-        if not any(t.op in cone for t in op.inputs):
+        if op.type in _MOVED_AHEAD_BY_GRAPPLER or not any(t.op in cone for t in op.inputs):
             _tf_private.add_control_inputs(op, trigger_ops)
 
 
