@@ -544,11 +544,10 @@ class MemoryModel:
                 converted = {buffers[tid] for tid, _ in through}
                 deferred.append((op, later, [b for b in reads if b not in converted] + incoming,
                                  temporaries_later))
-        running = reads + incoming
-        if temporaries:
-            running.append(timeline.buffer(step, temporaries, "gradients", -(op + 1)))
+        made = ([timeline.buffer(step, temporaries, "gradients", -(op + 1))]
+                if temporaries else [])
         if beside:
-            self._running.append([beside, running])
+            self._running.append([beside, reads + incoming + made])
         into = graph.gradient_into_output(op)
         for tid, nbytes in graph.grad_inputs[op]:
             if later and (tid, nbytes) in later:
@@ -561,6 +560,8 @@ class MemoryModel:
     def _run_beside(self, step, timeline):
         """Gradient step `step` starts while the earlier ones that run beside it still
         run: what they read and their temporaries are alive through it too."""
+        if not self._running:  # (a chain, and every step on one thread)
+            return
         for entry in self._running:
             entry[0] -= 1
             for buffer in entry[1]:

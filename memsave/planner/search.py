@@ -424,9 +424,9 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
 def _improved(search, plans, limit_bytes):
     """A local search from the best of `plans` (the cut plans, which on a small region
     can recompute twice what the least costly plan does, or all miss a limit that
-    some plan meets, and the one-checkpoint plans): each round moves to the best neighbour (one candidate added,
-    one dropped, or one moved to a candidate up to two places away in topological
-    order) until none is better. A plan that fits (its live tensors) is better than
+    some plan meets, and the one-checkpoint plans): each round moves to the best
+    neighbour (one candidate added, one dropped, or one moved to a candidate up to two
+    places away in topological order) until none is better. A plan that fits (its live tensors) is better than
     one that does not; among fitting plans less cost is better, among the others a
     lower peak (with every movable checkpoint offloaded, where offload is allowed).
     Returns (Prediction, plan, offloaded) of the end point if it fits, else None."""
