@@ -264,8 +264,7 @@ class _Builder:
         wait = -2 if self.plan.recomputes_ahead and len(self.triggers) > 1 else -1
         with tf.name_scope(label):
             gate = _xla_gate(self.trigger_tensors[wait]) if self.under_xla else None
-            replacements = TensorMap((t, _local_input(self._source_of(t), gate))
-                                     for t in local_inputs)
+            replacements = TensorMap((t, self._local_input(t, gate)) for t in local_inputs)
             copy = copy_with_input_replacements(ops, replacements, name_scope="recompute")
             for op in ops:
                 # A copy runs where its original ran, and its gradient ops are colocated
@@ -401,6 +400,19 @@ class _Builder:
                 if t not in gated:
                     gated[t] = _gated(t, gate, name="deferred_input")
                 _tf_private.update_input(op, index, gated[t])
+
+    def _local_input(self, t, gate):
+        """The segment's own view of outside tensor `t` (`_local_input`); a narrowed
+        checkpoint (ForwardReads.narrowed) cast again from its narrower input, as the
+        Cast that made it did, on its device."""
+        tid = self.step_graph.tensor_id.get((t.op, t.value_index))
+        source = self.plan.forward_reads.narrowed.get(tid)
+        if source is None:
+            return _local_input(self._source_of(t), gate)
+        narrow = _local_input(self.step_graph.tensors[source], gate)
+        with tf.device(t.op.device) if t.op.device else contextlib.nullcontext():
+            return tf.raw_ops.Cast(x=narrow, DstT=t.dtype, Truncate=t.op.get_attr("Truncate"),
+                                   name="input")
 
     def _source_of(self, t):
         """Where a segment reads input `t` from: an offloaded checkpoint's copy back, which

@@ -110,6 +110,20 @@ class Plan:
     def checkpoint_tensors(self):
         return [c.tensor for c in self.checkpoints]
 
+    def _note_narrowed(self, report):
+        """The checkpoints held as their Cast's narrower input (ForwardReads.narrowed):
+        that input's bytes, and why."""
+        narrowed = self.forward_reads.narrowed if self.forward_reads is not None else {}
+        graph = self.step_graph
+        for info, choice in zip(report.checkpoints, self.checkpoints):
+            source = narrowed.get(graph.id_of(choice.tensor))
+            if source is None:
+                continue
+            narrow = graph.tensors[source]
+            info.bytes = graph.size[source]
+            info.reason += (f"; held as the Cast's {narrow.dtype.name} input {narrow.name}, "
+                            "cast again by each segment that reads it")
+
     def report(self):
         """The RewriteReport of this plan (the builder adds what it built)."""
         graph, baseline, prediction = self.step_graph, self.baseline, self.prediction
@@ -129,6 +143,7 @@ class Plan:
                    for op, memory in sorted(graph.loops.items())])
         for info in report.checkpoints:
             info.offloaded = info.name in self.offloaded
+        self._note_narrowed(report)
         # Where plain tf.gradients answers, its peak is the one to expect (and the one
         # measured); the declined plan's is kept apart.
         runs_plain = prediction is None or self.fallback is not None

@@ -706,6 +706,40 @@ def test_greedy_search_on_a_long_chain_keeps_about_sqrt_n():
     assert prediction.peak_bytes < 0.3 * model.baseline().peak_bytes
 
 
+def _widening_chain(blocks=16):
+    """bfloat16 tanh -> Cast to float32 -> tanh -> Cast back, `blocks` times, as Keras'
+    mixed-precision layers cast into and out of their float32 parts; returns (model,
+    the Casts to float32)."""
+    x = tf.compat.v1.placeholder(tf.bfloat16, [256, 256], name="x")
+    h, widening = x, []
+    for _ in range(blocks):
+        widening.append(tf.cast(tf.tanh(h), tf.float32))
+        h = tf.cast(tf.tanh(widening[-1]), tf.bfloat16)
+    loss = tf.reduce_sum(tf.cast(h, tf.float32))
+    return planner.model_of(ForwardRegion.build([loss], [x])), widening
+
+
+def test_a_widening_cast_is_kept_as_its_narrower_input():
+    """A cut after a Cast to a wider type keeps the Cast's input (half the bytes, the Cast
+    made again): the output is no candidate, and every plan holds the inputs instead."""
+    with tf.Graph().as_default():
+        model, widening = _widening_chain()
+        candidates = search.Candidates(model.graph)
+        outputs = set(_ids(model, widening))
+        inputs = set(_ids(model, [cast.op.inputs[0] for cast in widening]))
+        assert not outputs & set(candidates.tensors)
+        assert inputs <= set(candidates.tensors)
+        position = candidates.position
+        for cast in widening:  # the cut right after the Cast is crossed by its input alone
+            cut = position[model.graph.op_id[cast.op]]
+            assert candidates.crossing[cut] == S // 2
+        _, plan = search.minimise_peak(model)
+        _, budget_plan, _ = search.within_budget(
+            model, int(0.6 * model.baseline().peak_bytes), ())
+    assert plan and budget_plan
+    assert not (set(plan) | set(budget_plan)) & outputs
+
+
 # -- budget --------------------------------------------------------------------------
 
 def _chain_graph(n=16):

@@ -165,6 +165,33 @@ def test_recomputed_casts_of_weights_wait_for_their_segment():
     assert not unwaiting, unwaiting
 
 
+@pytest.mark.parametrize("kind", ["v1", "function"])
+def test_a_checkpoint_made_by_a_widening_cast_is_held_as_its_input(kind):
+    """A checkpoint cast from a narrower type, read by two segments: each casts the
+    narrower input again, nothing memsave adds reads the wider tensor (so it is freed
+    after the forward pass), and the gradients equal tf.gradients' (float64)."""
+    def build():
+        x = tf.constant(np.random.RandomState(0).standard_normal([32, 32]))
+        narrow = tf.cast(tf.tanh(x), tf.float32)
+        wide = tf.cast(narrow, tf.float64)
+        kept = tf.sin(wide)
+        loss = tf.reduce_sum((tf.cos(kept) * wide) ** 2)
+        expected = tf.gradients(loss, [x])
+        before = set(tf.compat.v1.get_default_graph().get_operations())
+        with memsave.always_rewrite():
+            got = memsave.gradients(loss, [x], checkpoints=[wide, kept])
+        assert [op.name for op in wide.consumers() if op not in before] == []
+        casts = [op for op in tf.compat.v1.get_default_graph().get_operations()
+                 if op.type == "Cast" and re.fullmatch(r"memsave/\w+/input(_\d+)?", op.name)]
+        assert len(casts) == 2
+        (info,) = [c for c in memsave.last_report().checkpoints if c.name == wide.name]
+        assert "held as the Cast's float32 input" in info.reason and info.bytes == 32 * 32 * 4
+        return expected, got
+
+    expected, got = _evaluate(kind, build)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-12)
+
+
 def test_grappler_fuses_recomputed_batch_norms_with_their_relus():
     """The copies wait through their local inputs, not through control inputs of their
     own, which would stop Grappler's remapper fusing a batch norm with its ReLU (with

@@ -414,7 +414,7 @@ class MemoryModel:
             peak_at=self.describe(timeline.labels[at], segmentation),
             recompute_flops=int(recompute), forward_flops=self.forward_flops,
             checkpoint_bytes=0 if segmentation is None else sum(
-                graph.size[t] for t in segmentation.checkpoints),
+                graph.size[t] for t in segmentation.reads_forward.held()),
             segments=0 if segmentation is None else len(segmentation.order),
             recomputed_ops=0 if segmentation is None else sum(
                 len(segmentation.executed(head)) for head in segmentation.order),
@@ -455,11 +455,11 @@ class MemoryModel:
         graph = self.graph
         if segmentation is None or not graph.forwarded:
             return frozenset()
-        unforwardable = set()
+        unforwardable, held = set(), segmentation.reads_forward.held()
         for out in sorted(graph.forwarded):  # (producers first: a chain stops at one)
             tid = graph.alias_of[out]
             while tid >= 0:
-                if tid in segmentation.checkpoints:
+                if tid in held:
                     unforwardable.add(out)
                     break
                 if tid in unforwardable:
@@ -680,11 +680,18 @@ class MemoryModel:
         ops = segmentation.ops[segmentation.order[index]]
         executed = segmentation.executed(segmentation.order[index])
         local = {}
-        for tid in self._offloaded_reads(ops, executed, offloaded):
+        for tid in self._outside_reads(ops, executed, offloaded):
             back.append(tid)
             start = starts[min(max(index - prefetch, 0), len(starts) - 1)]
             local[tid] = timeline.buffer(start, graph.size[tid], "offloaded back", tid)
         cost = graph.costs.segment_overhead
+        narrowed = segmentation.reads_forward.narrowed
+        for tid in self._outside_reads(ops, executed, narrowed):
+            cast = graph.producer[tid]
+            cost += graph.cost[cast] + graph.costs.op_overhead
+            step = timeline.step(("recompute", cast, index))
+            timeline.use(forward[narrowed[tid]], step)
+            local[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
         for op in ops:
             if op not in executed:
                 continue
@@ -707,9 +714,10 @@ class MemoryModel:
                                                        -(op + 1))
         return local, cost
 
-    def _offloaded_reads(self, ops, executed, offloaded):
-        """The offloaded checkpoints a segment's recomputation or backward reads."""
-        if not offloaded:
+    def _outside_reads(self, ops, executed, among):
+        """The tensors of `among` (offloaded or narrowed checkpoints) made outside a
+        segment that its recomputation or backward reads."""
+        if not among:
             return []
         graph, members = self.graph, set(ops)
         reads = set()
@@ -718,7 +726,7 @@ class MemoryModel:
             if op in executed:
                 candidates += graph.inputs[op]
             reads.update(t for t in candidates
-                         if t in offloaded and graph.producer[t] not in members)
+                         if t in among and graph.producer[t] not in members)
         return sorted(reads)
 
     def _backward_order(self, ops):

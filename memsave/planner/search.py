@@ -73,33 +73,61 @@ class Candidates:
         self.graph = graph
         self.region_ops = graph.region_op_ids()
         self.position = {op: i for i, op in enumerate(self.region_ops)}
-        data = _data_dependent(graph)
-        self.intervals = []       # (tensor id, first cut, last cut + 1)
-        self.tensors = []         # data-dependent region tensors that may be kept
+        spans = self._spans(graph)
         n = len(self.region_ops)
+        self.n_cuts = max(n - 1, 0)
+        produced = np.zeros(max(n, 1), dtype=np.int64)
+        for tid, (start, _) in spans.items():
+            produced[start] += graph.size[tid]
+        self.produced = produced
+        # (A widening Cast's output is made again from its narrower input wherever a
+        # cut after the Cast would keep it: the input stays, at a fraction of the bytes.)
+        for cast_output, source in self._widening_casts(graph, spans).items():
+            start, stop = spans.pop(cast_output)
+            spans[source] = (spans[source][0], max(spans[source][1], stop))
+        self.intervals = sorted(((tid, start, stop) for tid, (start, stop) in spans.items()),
+                                key=lambda interval: (interval[1], interval[0]))
+        self.tensors = [tid for tid, _, _ in self.intervals]
+        self._starts = np.array([start for _, start, _ in self.intervals], dtype=np.int64)
+        self._stops = np.array([stop for _, _, stop in self.intervals], dtype=np.int64)
+        diff = np.zeros(self.n_cuts + 1, dtype=np.int64)
+        for tid, start, stop in self.intervals:
+            diff[start] += graph.size[tid]
+            diff[min(stop, self.n_cuts)] -= graph.size[tid]
+        self.crossing = np.cumsum(diff)[:self.n_cuts]
+
+    def _spans(self, graph):
+        """{tensor id: (its producer's position, its last forward reader's)} for the
+        data-dependent region tensors read after the op that makes them."""
+        data = _data_dependent(graph)
+        spans = {}
         for op in self.region_ops:
             start = self.position[op]
             for tid in graph.outputs[op]:
                 if not data[tid] or graph.is_y[tid] or graph.size[tid] == 0:
                     continue
-                readers = [self.position[c] for c in graph.consumers[tid]
-                           if graph.kind[c] == REGION]
-                stop = max(readers, default=start)
+                stop = max((self.position[c] for c in graph.consumers[tid]
+                            if graph.kind[c] == REGION), default=start)
                 if stop > start:
-                    self.intervals.append((tid, start, stop))
-                    self.tensors.append(tid)
-        self._starts = np.array([start for _, start, _ in self.intervals], dtype=np.int64)
-        self._stops = np.array([stop for _, _, stop in self.intervals], dtype=np.int64)
-        self.n_cuts = max(n - 1, 0)
-        diff = np.zeros(self.n_cuts + 1, dtype=np.int64)
-        produced = np.zeros(max(n, 1), dtype=np.int64)
-        for tid, start, stop in self.intervals:
-            size = graph.size[tid]
-            diff[start] += size
-            diff[min(stop, self.n_cuts)] -= size
-            produced[start] += size
-        self.crossing = np.cumsum(diff)[:self.n_cuts]
-        self.produced = produced
+                    spans[tid] = (start, stop)
+        return spans
+
+    def _widening_casts(self, graph, spans):
+        """{output: input} of the region's Casts to a wider type whose input may be kept.
+
+        Keeping the output holds twice the bytes (bfloat16 to float32) for one cheap
+        elementwise op saved; and where segments read a kept Cast output, Grappler's
+        arithmetic optimizer turns one of their Identity(Cast(x)) into Cast(Identity(x)),
+        so the forward pass's x stays too (ReorderCastLikeAndValuePreserving).
+        """
+        widening = {}
+        for op in self.region_ops:
+            if graph.ops[op].type != "Cast" or len(graph.inputs[op]) != 1:
+                continue
+            (source,), (output,) = graph.inputs[op], graph.outputs[op]
+            if output in spans and source in spans and graph.size[source] < graph.size[output]:
+                widening[output] = source
+        return widening
 
     def tensors_crossing(self, cuts):
         """Tensor ids crossing any of `cuts` (sorted), in topological order."""

@@ -17,11 +17,18 @@ ReLU, whose gradient reads only that output, then recomputes nothing, but the
 checkpoint stays alive until that segment's backward pass instead of until the
 later segment's recomputation has read it (memsave.planning chooses per plan).
 
+A checkpoint made by a Cast to a wider type (a mixed-precision layer's bfloat16
+input cast to float32) is held as the Cast's narrower input, and each segment that
+reads it casts that again (`ForwardReads.narrowed`): half the bytes held, for one
+elementwise op per reading segment. (Grappler's arithmetic optimizer does the same
+for one reader, turning its Identity(Cast(x)) into Cast(Identity(x)), but for one
+only: with several, x and the wider checkpoint were both held.)
+
 This is the one place that decides segments: the memory model simulates them
 and the builder (memsave.build) builds them.
 """
 
-from memsave.planner.graph import KEPT, REGION, RESIDENT
+from memsave.planner.graph import KEPT, REGION, RESIDENT, is_data
 
 LAST = -1       # the segment that ends at the ys
 _SEVERAL = -2   # read by more than one segment
@@ -32,20 +39,50 @@ class ForwardReads:
     rather than from recomputed copies: a small tensor (StepGraph.small), or a
     checkpoint that stays on the device where the plan reads its checkpoints.
     Call it with a tensor id. (Shared by Segmentation, which the memory model
-    simulates, and the rewrite, which reroutes those reads.)"""
+    simulates, and the rewrite, which reroutes those reads.)
+
+    Attributes:
+      narrowed: {checkpoint id: id of the narrower input of the Cast that makes it}:
+        checkpoints held as that input, which each segment reading them casts again
+        (see `narrowed_checkpoints`); they are never read from the forward pass.
+    """
 
     def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
         self.graph = graph
-        self.checkpoints = checkpoints  # (a set, which Segmentation may still grow)
+        self.checkpoints = checkpoints
         self.offloaded = frozenset(offloaded)
         self.read_checkpoints = read_checkpoints
+        self.narrowed = narrowed_checkpoints(graph, checkpoints, self.offloaded)
 
     def __call__(self, tid):
-        if tid in self.offloaded:
+        if tid in self.offloaded or tid in self.narrowed:
             return False
         if self.read_checkpoints and tid in self.checkpoints:
             return True
         return tid in self.graph.small
+
+    def held(self):
+        """Ids of the tensors the plan holds for its segments: its checkpoints, the
+        narrowed ones' inputs in their place."""
+        return (set(self.checkpoints) - set(self.narrowed)) | set(self.narrowed.values())
+
+
+def narrowed_checkpoints(graph, checkpoints, offloaded=frozenset()):
+    """{checkpoint id: input id} of the checkpoints made by a region Cast from a
+    narrower type, held as that input: not those read by ops that are not recomputed
+    (StepGraph.boundaries: those read them from the forward pass), ys, or offloaded
+    checkpoints (the offload copies them as they are)."""
+    narrowed = {}
+    boundaries = set(graph.boundaries)
+    for tid in sorted(checkpoints):
+        op = graph.producer[tid]
+        if (graph.kind[op] != REGION or graph.ops[op].type != "Cast" or graph.is_y[tid]
+                or tid in boundaries or tid in offloaded or len(graph.inputs[op]) != 1):
+            continue
+        (source,) = graph.inputs[op]
+        if is_data(graph.tensors[source]) and 0 < graph.size[source] < graph.size[tid]:
+            narrowed[tid] = source
+    return narrowed
 
 
 def _merge(a, b):
@@ -84,10 +121,10 @@ class Segmentation:
         self.checkpoints = set(checkpoints)
         self.forced = [t for t in graph.boundaries if t not in self.checkpoints]
         self.checkpoints.update(self.forced)
-        self.reads_forward = ForwardReads(graph, self.checkpoints, offloaded, read_checkpoints)
         self.shared = []
         self.segment_of = {}
         self._assign()
+        self.reads_forward = ForwardReads(graph, self.checkpoints, offloaded, read_checkpoints)
         self.ops = {}
         loose = []
         for op in graph.region_op_ids():
