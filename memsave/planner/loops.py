@@ -149,7 +149,8 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
     copy_parallel = min(parallel, graph_loops.PARALLEL_ITERATIONS)
     # (How far ahead the executor runs varies from step to step: on the LSTM benchmark
     # (AMD EPYC, 2 cores) tf.gradients' peak was 110-151 MiB over five runs, the whole
-    # parallel_iterations ahead in the highest. Half of it is predicted.)
+    # parallel_iterations ahead in the highest; on an AMD EPYC with AVX-512 (oneDNN on),
+    # 111-113 or 135-146 MiB. Half of it is predicted: 125.6 MiB.)
     parallel = max(1, parallel // 2)
     return LoopMemory(iterations=count, known=iterations is not None,
                       kept_by_tensorflow=count * per_iteration, kept_by_copy=kept_by_copy,

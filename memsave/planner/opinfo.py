@@ -53,6 +53,12 @@ _READS = {
     "SparseSoftmaxCrossEntropyWithLogits": ((), (1,)),
     "L2Loss": ((0,), ()),
     "GatherV2": ((1,), ()), "Gather": ((1,), ()), "ResourceGather": ((1,), ()),
+    # TensorList writes and reads: their gradients read the index, and of the element
+    # only its shape, which a loop's gradient computes in the forward loop and keeps
+    # instead (an RNN's h written to its output sequence is not kept per iteration).
+    "TensorListSetItem": ((1,), ()), "TensorListGetItem": ((1,), ()),
+    "TensorListPushBack": ((), ()), "TensorListPopBack": ((), ()),
+    "TensorListFromTensor": ((), ()), "TensorListStack": ((), ()),
 }
 _READS.update({t: ((), ()) for t in _READS_NOTHING if t not in _READS})
 
