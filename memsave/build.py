@@ -402,9 +402,9 @@ class _Builder:
                 _tf_private.update_input(op, index, gated[t])
 
     def _local_input(self, t, gate):
-        """The segment's own view of outside tensor `t` (`_local_input`); a narrowed
-        checkpoint (ForwardReads.narrowed) cast again from its narrower input, as the
-        Cast that made it did, on its device."""
+        """The segment's own view of outside tensor `t` (the module's `_local_input`); of
+        a narrowed checkpoint (ForwardReads.narrowed), a Cast of the view of its narrower
+        input, as the Cast that made it, on its device."""
         tid = self.step_graph.tensor_id.get((t.op, t.value_index))
         source = self.plan.forward_reads.narrowed.get(tid)
         if source is None:
@@ -412,7 +412,7 @@ class _Builder:
         narrow = _local_input(self.step_graph.tensors[source], gate)
         with tf.device(t.op.device) if t.op.device else contextlib.nullcontext():
             return tf.raw_ops.Cast(x=narrow, DstT=t.dtype, Truncate=t.op.get_attr("Truncate"),
-                                   name="input")
+                                   name="narrowed_input")
 
     def _source_of(self, t):
         """Where a segment reads input `t` from: an offloaded checkpoint's copy back, which

@@ -24,7 +24,7 @@ from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private, calls
 from memsave.graph.select import TensorSet
 from memsave.planner.calibrated import Calibrated
-from memsave.planner.graph import StepGraph
+from memsave.planner.graph import RESIDENT, StepGraph
 from memsave.planner.loops import why_not_recomputed as why_loop_kept
 from memsave.planner.memory import Prediction
 from memsave.planner.segments import LAST, ForwardReads, Segmentation
@@ -112,15 +112,18 @@ class Plan:
 
     def _note_narrowed(self, report):
         """The checkpoints held as their Cast's narrower input (ForwardReads.narrowed):
-        that input's bytes, and why."""
+        that input's bytes (none where it is held anyway: a checkpoint itself, or alive
+        for the whole step), and why."""
         narrowed = self.forward_reads.narrowed if self.forward_reads is not None else {}
         graph = self.step_graph
+        kept = {graph.id_of(c.tensor) for c in self.checkpoints}
         for info, choice in zip(report.checkpoints, self.checkpoints):
             source = narrowed.get(graph.id_of(choice.tensor))
             if source is None:
                 continue
             narrow = graph.tensors[source]
-            info.bytes = graph.size[source]
+            held_anyway = source in kept or graph.kind[graph.producer[source]] == RESIDENT
+            info.bytes = 0 if held_anyway else graph.size[source]
             info.reason += (f"; held as the Cast's {narrow.dtype.name} input {narrow.name}, "
                             "cast again by each segment that reads it")
 

@@ -245,39 +245,43 @@ def test_the_model_counts_tensor_lists_as_their_elements():
     assert loop.carries == STEPS and loop.carried > 0, loop
 
 
-def test_an_item_written_to_a_tensor_list_is_not_kept_per_iteration():
+@pytest.mark.parametrize("batch", [BATCH, None])
+def test_an_item_written_to_a_tensor_list_is_not_kept_per_iteration(batch):
     """A TensorList write's gradient reads the index and only the item's shape, which the
     loop's gradient computes in the forward loop: the RNN's h written to its output
-    sequence is not kept (a Keras LSTM's h: 6.25 MiB per layer on the LSTM benchmark)."""
+    sequence is not kept (a Keras LSTM's h: 6.25 MiB per layer on the LSTM benchmark),
+    unless the graph does not know that shape whole (a batch of None): then it is."""
     graph = tf.Graph()
     with graph.as_default():
-        x_seq = tf.constant(X_SEQ)
+        x_seq = tf.compat.v1.placeholder_with_default(X_SEQ, [STEPS, batch, WIDTH])
         w = tf.Variable(W0)
-        outputs = tf.TensorArray(tf.float64, size=STEPS, element_shape=[BATCH, WIDTH])
+        outputs = tf.TensorArray(tf.float64, size=STEPS, element_shape=[batch, WIDTH])
 
         def body(i, h, written):
             h = tf.tanh(tf.matmul(x_seq[i], w) + h) * 1.5
             return i + 1, h, written.write(i, h)
 
         _, _, written = tf.while_loop(lambda i, h, written: i < STEPS, body,
-                                      [tf.constant(0), tf.zeros([BATCH, WIDTH], tf.float64),
-                                       outputs], maximum_iterations=STEPS)
+                                      [tf.constant(0), tf.zeros_like(x_seq[0]), outputs],
+                                      maximum_iterations=STEPS)
         loss = tf.reduce_sum(written.stack())
         loop, = [op for op in graph.get_operations() if loops.is_loop(op)]
-        memory = loop_memory(loop)
+        memory = loop_memory(loop, unknown_dim_size=BATCH)
         tf.gradients(loss, [w])
         differentiated, = [op for op in graph.get_operations() if loops.is_loop(op)
                            and "grad" not in op.name]
     block = BATCH * WIDTH * 8
     # x_t (the weight's gradient reads it) and tanh's output, and the index the write's
-    # gradient reads; not the written product.
-    assert memory.kept_by_tensorflow == STEPS * (2 * block + 4), memory
-    # What TensorFlow keeps: the same two floating tensors (and the weight's value,
-    # which shares the variable's buffer).
+    # gradient reads; the written product only where its shape is not known.
+    written_kept = batch is None
+    assert memory.kept_by_tensorflow == STEPS * ((2 + written_kept) * block + 4), memory
+    # What TensorFlow keeps: the same floating tensors (and the weight's value, which
+    # shares the variable's buffer).
     kept = [op.inputs[1] for op in differentiated._body_graph.get_operations()
             if op.type == "TensorListPushBack" and op.inputs[1].dtype == tf.float64
             and op.inputs[1].op.type != "ReadVariableOp"]
-    assert sorted(t.op.type for t in kept) == ["StridedSlice", "Tanh"], kept
+    assert sorted(t.op.type for t in kept) == sorted(
+        ["StridedSlice", "Tanh"] + ["Mul"] * written_kept), kept
 
 
 @pytest.mark.parametrize("kind", ["v1", "function"])

@@ -740,6 +740,40 @@ def test_a_widening_cast_is_kept_as_its_narrower_input():
     assert not (set(plan) | set(budget_plan)) & outputs
 
 
+def test_a_checkpoint_made_by_a_widening_cast_holds_its_input():
+    """Kept as checkpoints, the Casts' outputs are held as their inputs (half the bytes),
+    each reading segment making its own float32 copy: the same peak as keeping the
+    inputs, whose next segments recompute the Casts."""
+    with tf.Graph().as_default():
+        model, widening = _widening_chain(blocks=8)
+        outputs = _ids(model, widening)
+        inputs = _ids(model, [cast.op.inputs[0] for cast in widening])
+        as_outputs, as_inputs = model.predict(outputs), model.predict(inputs)
+    assert as_outputs.checkpoint_bytes == as_inputs.checkpoint_bytes == 8 * S // 2
+    assert as_outputs.peak_bytes == as_inputs.peak_bytes
+
+
+def test_a_cast_of_a_cast_keeps_the_narrowest_input():
+    """float16 -> float32 -> float64, both read later: the cuts after either Cast keep the
+    float16 tensor."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [256, 256], name="x")
+        half = tf.cast(tf.tanh(x), tf.float16)
+        single = tf.cast(half, tf.float32)
+        double = tf.cast(single, tf.float64)
+        loss = tf.reduce_sum(tf.sin(double)) + tf.cast(tf.reduce_sum(tf.cos(single)), tf.float64)
+        model = planner.model_of(ForwardRegion.build([loss], [x]))
+        candidates = search.Candidates(model.graph)
+        (half_id,), widened = _ids(model, [half]), set(_ids(model, [single, double]))
+        _, plan = search.minimise_peak(model)
+    assert half_id in candidates.tensors and not widened & set(candidates.tensors)
+    last_reader = max(candidates.position[op] for t in (single, double)
+                      for op in model.graph.consumers[model.graph.id_of(t)])
+    (stop,) = [stop for tid, _, stop in candidates.intervals if tid == half_id]
+    assert stop == last_reader
+    assert not widened & set(plan)
+
+
 # -- budget --------------------------------------------------------------------------
 
 def _chain_graph(n=16):

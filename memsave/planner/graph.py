@@ -394,6 +394,7 @@ class StepGraph:
                 else opinfo.differentiated_reads(op.type, len(op.inputs), len(op.outputs),
                                                  differentiated))
             if len(ins) == len(op.inputs):
+                reads_in = tuple(reads_in) + opinfo.element_reads(op)
                 self.grad_reads[index] = [ins[i] for i in reads_in
                                           if is_data(self.tensors[ins[i]])]
             self.grad_reads[index] += [outs[i] for i in reads_out]

@@ -286,6 +286,7 @@ def _kept_by_tensorflow(body, invariant):
         else:
             reads_in, reads_out = opinfo.differentiated_reads(
                 op.type, len(op.inputs), len(op.outputs), differentiated)
+            reads_in = tuple(reads_in) + opinfo.element_reads(op)
         for t in [op.inputs[i] for i in reads_in] + [op.outputs[j] for j in reads_out]:
             while t.op.type == "Identity":
                 t = t.op.inputs[0]

@@ -55,11 +55,15 @@ _READS = {
     "GatherV2": ((1,), ()), "Gather": ((1,), ()), "ResourceGather": ((1,), ()),
     # TensorList writes and reads: their gradients read the index, and of the element
     # only its shape, which a loop's gradient computes in the forward loop and keeps
-    # instead (an RNN's h written to its output sequence is not kept per iteration).
+    # instead (an RNN's h written to its output sequence is not kept per iteration),
+    # where the graph knows it (`element_reads`).
     "TensorListSetItem": ((1,), ()), "TensorListGetItem": ((1,), ()),
     "TensorListPushBack": ((), ()), "TensorListPopBack": ((), ()),
     "TensorListFromTensor": ((), ()), "TensorListStack": ((), ()),
 }
+# The input of a TensorList write whose shape its gradient reads (zeros_like, shape):
+# TensorFlow keeps the input itself where the graph does not know the shape whole.
+_ELEMENT_INPUT = {"TensorListSetItem": 2, "TensorListPushBack": 1, "TensorListFromTensor": 0}
 _READS.update({t: ((), ()) for t in _READS_NOTHING if t not in _READS})
 
 # Ops whose gradient with respect to these inputs is sparse (tf.IndexedSlices): the rows
@@ -189,6 +193,16 @@ def passes_gradient_through(op_type, index):
     """Whether the gradient of an op of `op_type` for its input `index` is the incoming
     gradient itself when that input has the output's size."""
     return op_type == "AddN" or index in _PASS_THROUGH.get(op_type, ())
+
+
+def element_reads(op):
+    """The input indices a TensorList write's gradient reads besides `gradient_reads`'
+    (its type's): the element, where its shape is not fully known (a Keras RNN's batch
+    of None); none for other ops."""
+    index = _ELEMENT_INPUT.get(op.type)
+    if index is None or index >= len(op.inputs) or op.inputs[index].shape.is_fully_defined():
+        return ()
+    return (index,)
 
 
 def differentiated_reads(op_type, num_inputs, num_outputs, differentiated):

@@ -43,6 +43,7 @@ import numpy as np
 
 from memsave.planner import costs
 from memsave.planner.graph import REGION, RESIDENT, is_data
+from memsave.planner.segments import widening_cast_input
 
 EXACT_PEAK_LIMIT = 10
 PEAK_TIE = 0.005
@@ -81,10 +82,15 @@ class Candidates:
             produced[start] += graph.size[tid]
         self.produced = produced
         # (A widening Cast's output is made again from its narrower input wherever a
-        # cut after the Cast would keep it: the input stays, at a fraction of the bytes.)
-        for cast_output, source in self._widening_casts(graph, spans).items():
+        # cut after the Cast would keep it: the input stays, at a fraction of the bytes.
+        # `produced` still counts the output: a segment holding the Cast makes it.)
+        moved = {}
+        for cast_output, source in list(self._widening_casts(graph, spans)):
+            while source in moved:  # (a Cast of a Cast: to the narrowest)
+                source = moved[source]
             start, stop = spans.pop(cast_output)
             spans[source] = (spans[source][0], max(spans[source][1], stop))
+            moved[cast_output] = source
         self.intervals = sorted(((tid, start, stop) for tid, (start, stop) in spans.items()),
                                 key=lambda interval: (interval[1], interval[0]))
         self.tensors = [tid for tid, _, _ in self.intervals]
@@ -113,21 +119,17 @@ class Candidates:
         return spans
 
     def _widening_casts(self, graph, spans):
-        """{output: input} of the region's Casts to a wider type whose input may be kept.
+        """(output, input) of the region's Casts to a wider type whose input may be kept
+        (segments.widening_cast_input), producers first.
 
-        Keeping the output holds twice the bytes (bfloat16 to float32) for one cheap
-        elementwise op saved; and where segments read a kept Cast output, Grappler's
-        arithmetic optimizer turns one of their Identity(Cast(x)) into Cast(Identity(x)),
-        so the forward pass's x stays too (ReorderCastLikeAndValuePreserving).
+        Keeping the output would hold twice the bytes (bfloat16 to float32) for one
+        cheap elementwise op saved: a plan that keeps it holds its input instead
+        (segments.narrowed_checkpoints), which the cuts then count.
         """
-        widening = {}
         for op in self.region_ops:
-            if graph.ops[op].type != "Cast" or len(graph.inputs[op]) != 1:
-                continue
-            (source,), (output,) = graph.inputs[op], graph.outputs[op]
-            if output in spans and source in spans and graph.size[source] < graph.size[output]:
-                widening[output] = source
-        return widening
+            source = widening_cast_input(graph, op)
+            if source is not None and source in spans and graph.outputs[op][0] in spans:
+                yield graph.outputs[op][0], source
 
     def tensors_crossing(self, cuts):
         """Tensor ids crossing any of `cuts` (sorted), in topological order."""

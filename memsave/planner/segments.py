@@ -28,7 +28,9 @@ This is the one place that decides segments: the memory model simulates them
 and the builder (memsave.build) builds them.
 """
 
-from memsave.planner.graph import KEPT, REGION, RESIDENT, is_data
+import tensorflow as tf
+
+from memsave.planner.graph import KEPT, REGION, RESIDENT
 
 LAST = -1       # the segment that ends at the ys
 _SEVERAL = -2   # read by more than one segment
@@ -63,24 +65,39 @@ class ForwardReads:
 
     def held(self):
         """Ids of the tensors the plan holds for its segments: its checkpoints, the
-        narrowed ones' inputs in their place."""
-        return (set(self.checkpoints) - set(self.narrowed)) | set(self.narrowed.values())
+        narrowed ones' inputs in their place (but inputs alive for the whole step)."""
+        graph = self.graph
+        return (set(self.checkpoints) - set(self.narrowed)) | {
+            source for source in self.narrowed.values()
+            if graph.kind[graph.producer[source]] != RESIDENT}
+
+
+def widening_cast_input(graph, op):
+    """The input id of region op `op` where it is a Cast of a number to a wider type,
+    else None. (Not of a bool: under XLA a segment reads its inputs through a
+    conditional that passes numbers only, memsave.build's `_gated`.)"""
+    if graph.kind[op] != REGION or graph.ops[op].type != "Cast" or len(graph.inputs[op]) != 1:
+        return None
+    (source,), (output,) = graph.inputs[op], graph.outputs[op]
+    dtype = graph.tensors[source].dtype
+    if dtype == tf.bool or not (dtype.is_floating or dtype.is_integer or dtype.is_complex):
+        return None
+    return source if 0 < graph.size[source] < graph.size[output] else None
 
 
 def narrowed_checkpoints(graph, checkpoints, offloaded=frozenset()):
-    """{checkpoint id: input id} of the checkpoints made by a region Cast from a
-    narrower type, held as that input: not those read by ops that are not recomputed
-    (StepGraph.boundaries: those read them from the forward pass), ys, or offloaded
-    checkpoints (the offload copies them as they are)."""
+    """{checkpoint id: input id} of the checkpoints made by a Cast to a wider type
+    (`widening_cast_input`), held as that input: not those read by ops that are not
+    recomputed (StepGraph.boundaries: those read them from the forward pass), ys, or
+    where the checkpoint or the input is offloaded (the offload copies a checkpoint as
+    it is; an offloaded input would stay on the device for the segments' Casts)."""
     narrowed = {}
     boundaries = set(graph.boundaries)
     for tid in sorted(checkpoints):
-        op = graph.producer[tid]
-        if (graph.kind[op] != REGION or graph.ops[op].type != "Cast" or graph.is_y[tid]
-                or tid in boundaries or tid in offloaded or len(graph.inputs[op]) != 1):
+        if graph.is_y[tid] or tid in boundaries or tid in offloaded:
             continue
-        (source,) = graph.inputs[op]
-        if is_data(graph.tensors[source]) and 0 < graph.size[source] < graph.size[tid]:
+        source = widening_cast_input(graph, graph.producer[tid])
+        if source is not None and source not in offloaded:
             narrowed[tid] = source
     return narrowed
 
