@@ -9,7 +9,9 @@ live from the step that makes them to the last step that reads them:
   (plain tf.gradients keeps what each op's gradient reads until that gradient
   runs; the rewrite keeps only checkpoints and tensors it cannot recompute);
 - recomputed tensors: from their copy to their last reader in that segment;
-  a copy whose output nobody reads is never run (TensorFlow prunes it);
+  a copy whose output nobody reads is never run (TensorFlow prunes it); a
+  checkpoint made by a Cast to a wider type is held as the Cast's input, and each
+  segment that reads it makes its own copy as it starts (ForwardReads.narrowed);
 - gradients: from the gradient op that makes them to the one that consumes
   them; a tensor read by k ops gets k contributions, summed when the last one
   arrives; gradients of the xs live to the end of the step (they are returned);
