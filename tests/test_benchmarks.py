@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import (  # noqa: E402
-    bench_rewrite_time, compare, graph_kinds, models, peak_breakdown)
+    bench_rewrite_time, compare, graph_kinds, models, peak_breakdown, step_peaks)
 from memsave import measure  # noqa: E402
 
 TINY = {
@@ -93,6 +93,14 @@ def test_a_strategy_with_a_loop_chunk_recomputes_the_loops_in_chunks(strategy, w
         model.make_step(grad_fn)(*model.inputs)
     loops = memsave.last_report().loops
     assert len(loops) == 2 and all(words in why for _, why in loops), loops
+
+
+@pytest.mark.parametrize("strategy", ["tf.gradients", "memory"])
+def test_step_peaks_reads_each_steps_peak_and_the_prediction(strategy):
+    result = measure.run_isolated(step_peaks.CHILD_TARGET, timeout=300, model="mlp",
+                                  strategy=strategy, steps=2, model_options=TINY["mlp"])
+    assert len(result["peaks"]) == 2 and all(peak > 0 for peak in result["peaks"])
+    assert result["predicted"] > 0
 
 
 def test_a_keras_model_under_mixed_bfloat16_restores_the_policy():
