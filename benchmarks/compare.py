@@ -74,6 +74,10 @@ DEFAULT_SWEEP_DEPTHS = {"cnn": (6, 12, 24, 48, 81), "mlp": (8, 16, 32, 64, 128),
                         "gpt": (2, 4, 6, 12), "lstm": (1, 2, 4), "unet": (2, 3, 4)}
 CHILD_TARGET = "benchmarks.compare:measure_config"
 MEMORY_STEPS = 2  # steps over which the peak is taken
+# ... for --predict-table: the peak of the same plan moves from step to step (the
+# executor's order, where the allocator places each buffer: 35.9-40.3 MiB on the nested
+# calls' 'memory' plan, benchmarks/step_peaks.py), and a budget must hold for every step.
+PREDICT_MEMORY_STEPS = 8
 
 TABLE_COLUMNS = ("strategy", "peak MiB", "x tf", "predicted MiB", "pred err", "step ms", "x tf",
                  "max rel err", "build s", "ckpts")
@@ -274,7 +278,7 @@ def _gradient_arrays(grads):
 def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps=5, warmup=2,
                    seed=0, grads_path=None, memory_limit_mb=None, model_options=None,
                    paired=True, grappler=True, jit=False, xla_dump=None, offload=False,
-                   one_region=False):
+                   one_region=False, memory_steps=MEMORY_STEPS):
     """One configuration, measured in the current (fresh) process; returns a JSON-able dict.
 
     jit=True compiles the step (and the paired tf.gradients step) with XLA and records
@@ -283,7 +287,7 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
     assignment (`xla_buffer_bytes`).
 
     Order: build and trace the step, run it once (its gradients are saved to
-    `grads_path`), `warmup` more times, then MEMORY_STEPS steps while the allocator
+    `grads_path`), `warmup` more times, then `memory_steps` steps while the allocator
     records its peak. Only then, with paired=True and a memsave strategy, a plain
     tf.gradients step is built in the same process and the two are timed
     alternately for `steps` rounds (step_s, paired_base_step_s, paired_ratio);
@@ -308,7 +312,8 @@ def measure_config(model="cnn", depth=None, batch=None, strategy=BASELINE, steps
     result = {"model": model, "strategy": strategy, "device": measure.device_description()}
     try:
         result.update(_measure(model, depth, batch, strategy, steps, warmup, seed, grads_path,
-                               model_options or {}, paired, jit, xla_dump, offload))
+                               model_options or {}, paired, jit, xla_dump, offload,
+                               memory_steps))
         result["status"] = "ok"
     except tf.errors.ResourceExhaustedError as error:
         result.update(status="OOM", message=_oom_line(error.message))
@@ -346,7 +351,7 @@ def _first_line(text):
 
 
 def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path, model_options,
-             paired, jit=False, xla_dump=None, offload=False):
+             paired, jit=False, xla_dump=None, offload=False, memory_steps=MEMORY_STEPS):
     import numpy as np
     import tensorflow as tf
 
@@ -409,7 +414,7 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
     tf.config.experimental.reset_memory_stats(device)
     out["resting_bytes"] = tf.config.experimental.get_memory_info(device)["current"]
     peak, _ = measure.peak_memory_bytes(
-        lambda: measure.time_each_call(run_step, repeats=MEMORY_STEPS, warmup=0), device)
+        lambda: measure.time_each_call(run_step, repeats=memory_steps, warmup=0), device)
     out.update(peak_bytes=peak, memory_device=device)
 
     if not paired or strategy == BASELINE:
@@ -445,7 +450,7 @@ def _child_env(memory_limit_mb, keep_onednn=False):
 
 def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb, grads_path,
             model_options=None, timeout=900, paired=True, grappler=True, jit=False,
-            offload=False, fit_probe=False):
+            offload=False, fit_probe=False, memory_steps=MEMORY_STEPS):
     """Runs measure_config in its own process; a crash or kill becomes a result row too.
 
     fit_probe=True: a probe of `fitting_cap` (the cap reserved as one region, the kernels
@@ -461,7 +466,7 @@ def run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
             depth=depth, batch=batch, strategy=strategy, steps=steps, warmup=warmup, seed=seed,
             grads_path=grads_path, memory_limit_mb=memory_limit_mb, model_options=model_options,
             paired=paired, grappler=grappler, jit=jit, xla_dump=dump and dump.name,
-            offload=offload, one_region=fit_probe)
+            offload=offload, one_region=fit_probe, memory_steps=memory_steps)
     except measure.IsolatedRunError as error:
         if measure.is_oom_failure(error):
             status = "OOM"
@@ -577,7 +582,7 @@ def default_strategies(model):
 
 def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmup=2, seed=0,
             memory_limit_mb=None, model_options=None, timeout=900, baseline=True, paired=True,
-            grappler=True, jit=False, offload=False, fit=False):
+            grappler=True, jit=False, offload=False, fit=False, memory_steps=MEMORY_STEPS):
     """Measures every strategy (tf.gradients first) in its own process; returns table rows.
 
     baseline=False leaves tf.gradients out (no peak ratios or errors then).
@@ -596,7 +601,7 @@ def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmu
         for done, strategy in enumerate(strategies, 1):
             result = run_one(model, depth, batch, strategy, steps, warmup, seed, memory_limit_mb,
                              paths[strategy], model_options, timeout, paired, grappler, jit,
-                             offload)
+                             offload, memory_steps=memory_steps)
             _log_progress(done, len(strategies), model, depth, result)
             if fit and result.get("status") == "ok":
                 result["fits_mb"] = _fit(model, depth, batch, strategy, result, seed,
@@ -786,14 +791,16 @@ PREDICT_COLUMNS = ("model", "strategy", "measured MiB", "predicted MiB", "error"
 
 
 def predict_table(families=PREDICT_FAMILIES, strategies=(BASELINE, "memory"), steps=1,
-                  warmup=1, seed=0, timeout=900):
+                  warmup=1, seed=0, timeout=900, memory_steps=PREDICT_MEMORY_STEPS):
     """Measured against predicted peaks for every family and strategy (each configuration
-    in its own process, as compare() measures); one row per (family, strategy)."""
+    in its own process, as compare() measures, the peak the highest of `memory_steps`
+    steps); one row per (family, strategy)."""
     rows = []
     for label, model, depth, batch, options in families:
         measured = compare(model, depth, batch, [s for s in strategies if s != BASELINE],
                            steps, warmup, seed, model_options=dict(options), timeout=timeout,
-                           baseline=BASELINE in strategies, paired=False)
+                           baseline=BASELINE in strategies, paired=False,
+                           memory_steps=memory_steps)
         for row in measured:
             rows.append(dict(row, family=label))
     return rows
@@ -1062,7 +1069,11 @@ def main(argv=None):
     parser.add_argument("--predict-table", action="store_true",
                         help="the memory model's predicted peak against the measured one for "
                              "every model family (PREDICT_FAMILIES) and each of --strategies "
-                             "(default tf.gradients,memory); no timings (one step each)")
+                             "(default tf.gradients,memory); no timings; the peak is the "
+                             "highest of --memory-steps steps")
+    parser.add_argument("--memory-steps", type=int, default=None,
+                        help=f"steps over which the peak is taken (default {MEMORY_STEPS}, "
+                             f"{PREDICT_MEMORY_STEPS} with --predict-table)")
     parser.add_argument("--families", default=None,
                         help="with --predict-table: comma-separated parts of the family labels "
                              "to measure (e.g. 'cnn,lstm,resnet50'; default every family)")
@@ -1081,7 +1092,8 @@ def main(argv=None):
     if args.predict_table:
         strategies = _parse_list(args.strategies) or [BASELINE, "memory"]
         rows = predict_table(families=predict_families(_parse_list(args.families)),
-                             strategies=strategies, seed=args.seed, timeout=args.timeout)
+                             strategies=strategies, seed=args.seed, timeout=args.timeout,
+                             memory_steps=args.memory_steps or PREDICT_MEMORY_STEPS)
         device = next((row["device"] for row in rows if row.get("device")), "unknown device")
         title = f"Predicted against measured peaks; {device}; `{command}`"
         print(title)
@@ -1161,7 +1173,8 @@ def main(argv=None):
     rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
                    args.seed, args.memory_limit_mb, model_options, args.timeout,
                    paired=not args.no_paired, grappler=not args.disable_grappler, jit=args.jit,
-                   offload=args.offload, fit=args.fit)
+                   offload=args.offload, fit=args.fit,
+                   memory_steps=args.memory_steps or MEMORY_STEPS)
     title = _title(rows, command)
     print(title)
     print(format_table(rows))
