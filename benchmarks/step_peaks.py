@@ -45,12 +45,12 @@ def measure_steps(model="cnn", strategy="memory", steps=5, seed=0, model_options
     predicted = (timings.get("predicted_peak_bytes") if report is None
                  else report.predicted_peak_bytes)
     device = measure.memory_device()
-    peaks = []
-    for _ in range(steps):
-        tf.config.experimental.reset_memory_stats(device)
+
+    def run_step():
         step(*inputs)
         measure.sync_devices()
-        peaks.append(tf.config.experimental.get_memory_info(device)["peak"])
+
+    peaks = [measure.peak_memory_bytes(run_step, device)[0] for _ in range(steps)]
     return {"peaks": peaks, "predicted": predicted}
 
 

@@ -416,7 +416,7 @@ class MemoryModel:
             peak_at=self.describe(timeline.labels[at], segmentation),
             recompute_flops=int(recompute), forward_flops=self.forward_flops,
             checkpoint_bytes=0 if segmentation is None else sum(
-                graph.size[t] for t in segmentation.reads_forward.held()),
+                graph.size[t] for t in segmentation.reads_forward.held),
             segments=0 if segmentation is None else len(segmentation.order),
             recomputed_ops=0 if segmentation is None else sum(
                 len(segmentation.executed(head)) for head in segmentation.order),
@@ -457,7 +457,7 @@ class MemoryModel:
         graph = self.graph
         if segmentation is None or not graph.forwarded:
             return frozenset()
-        unforwardable, held = set(), segmentation.reads_forward.held()
+        unforwardable, held = set(), segmentation.reads_forward.held
         for out in sorted(graph.forwarded):  # (producers first: a chain stops at one)
             tid = graph.alias_of[out]
             while tid >= 0:

@@ -28,8 +28,6 @@ This is the one place that decides segments: the memory model simulates them
 and the builder (memsave.build) builds them.
 """
 
-import tensorflow as tf
-
 from memsave.planner.graph import KEPT, REGION, RESIDENT
 
 LAST = -1       # the segment that ends at the ys
@@ -47,6 +45,8 @@ class ForwardReads:
       narrowed: {checkpoint id: id of the narrower input of the Cast that makes it}:
         checkpoints held as that input, which each segment reading them casts again
         (see `narrowed_checkpoints`); they are never read from the forward pass.
+      held: ids of the tensors the plan holds for its segments: its checkpoints, the
+        narrowed ones' inputs in their place (but inputs alive for the whole step).
     """
 
     def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
@@ -55,6 +55,9 @@ class ForwardReads:
         self.offloaded = frozenset(offloaded)
         self.read_checkpoints = read_checkpoints
         self.narrowed = narrowed_checkpoints(graph, checkpoints, self.offloaded)
+        self.held = frozenset(set(checkpoints) - set(self.narrowed)) | {
+            source for source in self.narrowed.values()
+            if graph.kind[graph.producer[source]] != RESIDENT}
 
     def __call__(self, tid):
         if tid in self.offloaded or tid in self.narrowed:
@@ -62,14 +65,6 @@ class ForwardReads:
         if self.read_checkpoints and tid in self.checkpoints:
             return True
         return tid in self.graph.small
-
-    def held(self):
-        """Ids of the tensors the plan holds for its segments: its checkpoints, the
-        narrowed ones' inputs in their place (but inputs alive for the whole step)."""
-        graph = self.graph
-        return (set(self.checkpoints) - set(self.narrowed)) | {
-            source for source in self.narrowed.values()
-            if graph.kind[graph.producer[source]] != RESIDENT}
 
 
 def widening_cast_input(graph, op):
@@ -80,7 +75,7 @@ def widening_cast_input(graph, op):
         return None
     (source,), (output,) = graph.inputs[op], graph.outputs[op]
     dtype = graph.tensors[source].dtype
-    if dtype == tf.bool or not (dtype.is_floating or dtype.is_integer or dtype.is_complex):
+    if not (dtype.is_floating or dtype.is_integer or dtype.is_complex):
         return None
     return source if 0 < graph.size[source] < graph.size[output] else None
 
