@@ -12,7 +12,7 @@ import tensorflow as tf
 from memsave.graph import _tf_private, calls
 from memsave.graph.reroute import reroute_ts
 from memsave.graph.select import tensor_key
-from memsave.region import estimated_bytes
+from memsave.region import SHAPE_READER_OP_TYPES, estimated_bytes
 
 
 def serialize_conv_gradients(copied_ops, deferred=frozenset()):
@@ -35,8 +35,8 @@ def serialize_conv_gradients(copied_ops, deferred=frozenset()):
 def large_ops_needed_by(grads, made_before, excluded, min_bytes):
     """The ops made after the op numbered `made_before` (a segment's tf.gradients call)
     that its gradients `grads` need, but those in `excluded` (deferred weight gradients)
-    and in v1 control-flow frames, whose outputs hold at least `min_bytes`, in the
-    order they were made. (Ops nothing needs are left out: a control input from one
+    and in v1 control-flow frames, that hold at least `min_bytes` (`_holds_large_tensors`),
+    in the order they were made. (Ops nothing needs are left out: a control input from one
     would make TensorFlow run it.)"""
     stack = [t.op for g in grads if g is not None
              for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
@@ -49,8 +49,61 @@ def large_ops_needed_by(grads, made_before, excluded, min_bytes):
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     large = [op for op in needed if _tf_private.control_flow_context(op) is None
-             and sum(estimated_bytes(t) for t in op.outputs) >= min_bytes]
-    return sorted(large, key=_tf_private.creation_index)
+             and _holds_large_tensors(op, min_bytes)]
+    return _first_input_last(sorted(large, key=_tf_private.creation_index), made_before)
+
+
+def _first_input_last(ops, made_before):
+    """`ops` (in the order they were made) with each run of ops made by one gradient
+    function (one name scope, `MatMul_grad/`) that do not read one another reversed:
+    the gradient of an op's first input, which the rest of the backward pass reads on
+    from, then comes after its weight's (a MatMul's kernel gradient, a convolution's
+    filter gradient), as the memory model runs them: one step, the op's inputs freed
+    before its input gradient's readers run. Measured (AMD EPYC with AVX-512): a Keras
+    GPT's 'memory' plan ran the next segment's copies beside the vocabulary head's
+    kernel gradient, which holds the 16 MiB logits gradient, in a quarter of steps
+    (30.5-32.0 MiB against 24.0). The reversed ops read nothing of each other, so the
+    chain closes no cycle."""
+    result, run = [], []
+    for op in ops + [None]:
+        if (op is not None and run and _scope(op) == _scope(run[0])
+                and not any(_reads_after(op, member, made_before) for member in run)):
+            run.append(op)
+            continue
+        result.extend(reversed(run))
+        run = [op] if op is not None else []
+    return result
+
+
+def _scope(op):
+    return op.name.rpartition("/")[0]
+
+
+def _reads_after(op, earlier, made_before):
+    """Whether `op` needs `earlier` through ops made after the op numbered `made_before`."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        if current is earlier:
+            return True
+        if current in seen or _tf_private.creation_index(current) <= made_before:
+            continue
+        seen.add(current)
+        stack.extend(t.op for t in current.inputs)
+        stack.extend(current.control_inputs)
+    return False
+
+
+def _holds_large_tensors(op, min_bytes):
+    """Whether `op`'s outputs hold at least `min_bytes`, or it reads a tensor that
+    large (its run decides when that is freed: a filter gradient, a small output, holds
+    the convolution's input until it runs). Not an op that reads only shapes: Grappler
+    folds it into a constant, which a control input would tie into a cycle (measured:
+    a Conv2D gradient's ShapeN in a bfloat16 CNN)."""
+    if sum(estimated_bytes(t) for t in op.outputs) >= min_bytes:
+        return True
+    return (op.type not in SHAPE_READER_OP_TYPES
+            and any(estimated_bytes(t) >= min_bytes for t in op.inputs))
 
 
 def one_after_another(ops):

@@ -62,7 +62,7 @@ class Plan:
         made it (ForwardReads), not from a recomputed copy.
       recomputes_ahead: each segment's copies wait for the previous segment's trigger.
       orders_backward: each segment's large gradient ops run one after another: those
-        whose outputs hold at least `large_bytes`.
+        whose outputs hold at least `large_bytes`, or that read a tensor that large.
       large_bytes: 1/16 of the step's largest tensor.
       serializes_conv_gradients: each copied convolution's input gradient waits for
         its filter gradient (TensorFlow's own CPU kernels: one im2col buffer at a time).

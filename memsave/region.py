@@ -29,6 +29,9 @@ CONTROL_FLOW_OP_TYPES = frozenset([
     "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
     "PartitionedCall", "StatefulPartitionedCall",
 ]) | V1_CONTROL_FLOW_OP_TYPES
+# Ops that read their inputs' shapes, not their values (Grappler folds them into
+# constants where the shapes are known).
+SHAPE_READER_OP_TYPES = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 
 
 NOT_RECOMPUTABLE = "not recomputable, so already kept"

@@ -14,6 +14,7 @@ import math
 
 from memsave.environment import EIGEN, ONEDNN  # noqa: F401 (named once, there)
 from memsave.graph import _tf_private
+from memsave.region import SHAPE_READER_OP_TYPES
 
 
 # Gradient reads nothing of the forward pass but static shapes.
@@ -127,9 +128,7 @@ HEAVY_OP_TYPES = MATMUL_LIKE | CONV_LIKE | frozenset(["Einsum"])  # (flops() cou
 
 # Ops registered without a gradient (ops.NotDifferentiable) although an output may be
 # floating: tf.gradients sends nothing through them to their inputs.
-_NOT_DIFFERENTIABLE = frozenset([
-    "StopGradient", "ZerosLike", "OnesLike", "Shape", "ShapeN", "Size", "Rank",
-])
+_NOT_DIFFERENTIABLE = SHAPE_READER_OP_TYPES | frozenset(["StopGradient", "ZerosLike", "OnesLike"])
 
 
 def passes_gradient(op):
