@@ -3,8 +3,9 @@ the walks that find where they go (the ops made after a point, a gradient's own 
 
 An op's inputs exist before it is made, so every data edge runs from an earlier-made
 op to a later-made one; the edges added here follow that order, but those that make
-a deferred weight gradient wait for a later segment, and TensorFlow's own CPU
-convolution gradients, ordered pairwise.
+a deferred weight gradient wait for a later segment, TensorFlow's own CPU
+convolution gradients, ordered pairwise, and the ops of one gradient function that
+read nothing of each other, chained last made first (`_first_input_last`).
 """
 
 import tensorflow as tf
@@ -36,8 +37,9 @@ def large_ops_needed_by(grads, made_before, excluded, min_bytes):
     """The ops made after the op numbered `made_before` (a segment's tf.gradients call)
     that its gradients `grads` need, but those in `excluded` (deferred weight gradients)
     and in v1 control-flow frames, that hold at least `min_bytes` (`_holds_large_tensors`),
-    in the order they were made. (Ops nothing needs are left out: a control input from one
-    would make TensorFlow run it.)"""
+    in the order they were made but within one gradient function (`_first_input_last`).
+    (Ops nothing needs are left out: a control input from one would make TensorFlow
+    run it.)"""
     stack = [t.op for g in grads if g is not None
              for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
     needed = set()
@@ -66,8 +68,9 @@ def _first_input_last(ops, made_before):
     chain closes no cycle."""
     result, run = [], []
     for op in ops + [None]:
-        if (op is not None and run and _scope(op) == _scope(run[0])
-                and not any(_reads_after(op, member, made_before) for member in run)):
+        if (op is not None and run and _gradient_function(op) is not None
+                and _gradient_function(op) == _gradient_function(run[0])
+                and not _reads_any(op, run, made_before)):
             run.append(op)
             continue
         result.extend(reversed(run))
@@ -75,18 +78,25 @@ def _first_input_last(ops, made_before):
     return result
 
 
-def _scope(op):
-    return op.name.rpartition("/")[0]
+def _gradient_function(op):
+    """The name scope tf.gradients made `op` in for one op's gradient ('.../MatMul_3_grad'),
+    or None (an AddN summing contributions, say)."""
+    scope = op.name.rpartition("/")[0]
+    return scope if scope.endswith("_grad") else None
 
 
-def _reads_after(op, earlier, made_before):
-    """Whether `op` needs `earlier` through ops made after the op numbered `made_before`."""
-    seen, stack = set(), [op]
+def _reads_any(op, run, made_before):
+    """Whether `op` needs one of `run` (ops made before it). Only ops made after the
+    first of `run` (and after the op numbered `made_before`) are walked: an op made
+    earlier cannot read one of them."""
+    members = set(run)
+    floor = max(made_before, min(_tf_private.creation_index(m) for m in run))
+    seen, stack = set(), [t.op for t in op.inputs] + list(op.control_inputs)
     while stack:
         current = stack.pop()
-        if current is earlier:
+        if current in members:
             return True
-        if current in seen or _tf_private.creation_index(current) <= made_before:
+        if current in seen or _tf_private.creation_index(current) <= floor:
             continue
         seen.add(current)
         stack.extend(t.op for t in current.inputs)
@@ -107,12 +117,14 @@ def _holds_large_tensors(op, min_bytes):
 
 
 def one_after_another(ops):
-    """Each of `ops` (in the order they were made) waits for the one before it, through
-    control inputs. An op's inputs exist before it is made, so every edge runs from an
-    earlier-made op to a later-made one but the control inputs memsave adds pointing
-    back (deferred weight gradients, which are left out; TensorFlow's own CPU
-    convolution gradients, where no order is made): the chain closes no cycle. (Where
-    `later` reads an output of `earlier` already, none is added: _tf_private.)"""
+    """Each of `ops` (as large_ops_needed_by orders them) waits for the one before it,
+    through control inputs. An op's inputs exist before it is made, so every edge runs
+    from an earlier-made op to a later-made one but the control inputs memsave adds
+    pointing back (deferred weight gradients, which are left out; TensorFlow's own CPU
+    convolution gradients, where no order is made) and the chain's own within one
+    gradient function, between ops that need nothing of each other: the chain closes
+    no cycle. (Where `later` reads an output of `earlier` already, none is added:
+    _tf_private.)"""
     for earlier, later in zip(ops, ops[1:]):
         _tf_private.add_control_inputs(later, [earlier])
 

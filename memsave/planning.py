@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 # A plan must predict at least this much less than tf.gradients to be used.
 _MIN_PREDICTED_SAVING = 0.02
 # Gradient ops whose outputs hold at least 1/_LARGE_FRACTION of the step's largest
-# tensor are "large" (Plan.orders_backward).
+# tensor, or that read a tensor that large, are "large" (Plan.orders_backward).
 _LARGE_FRACTION = 16
 # A plan reads its checkpoints, or recomputes ahead, where the strategy did not decide
 # and that raises its predicted peak by at most this much.
@@ -223,7 +223,7 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         # Not under XLA (which drops control inputs), nor where TensorFlow's own CPU
         # convolution gradients run pairwise one after the other: their control inputs
         # point from a filter gradient to the input gradient made before it, and a chain
-        # in the order of making would close a cycle.
+        # beside those edges could close a cycle.
         orders_backward=(selection.order_backward and not environment.under_xla
                          and not serializes_conv_gradients),
         large_bytes=graph.largest_bytes // _LARGE_FRACTION,

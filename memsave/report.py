@@ -82,9 +82,10 @@ class RewriteReport:
     the segment after it waits for rather than its own, so it runs beside that
     segment's backward pass, off the critical path of an executor that runs ops side
     by side (chosen on the same terms). `orders_backward` says whether each segment's
-    large gradient ops (large outputs, or reading a large tensor) wait, each for the one
-    tf.gradients made before it, so that an
-    executor running ops side by side holds what the memory model holds (the 'memory'
+    large gradient ops (large outputs, or reading a large tensor) run one after another,
+    in the order tf.gradients made them but an op's weight gradient before its input
+    gradient, so that an executor running ops side by side holds what the memory model
+    holds (the 'memory'
     strategy; not under XLA, nor where TensorFlow's own CPU convolution gradients are
     already serialized). `loops` says, for each while_v2 loop on the path, what its
     gradient keeps: recomputed (a copy runs in the backward pass and keeps only each

@@ -515,10 +515,11 @@ def test_tensorflows_own_kernels_order_the_backward_pass_where_no_convolution_is
 
 
 def test_memory_runs_each_segments_large_gradient_ops_one_after_another(monkeypatch):
-    """'memory' makes each large gradient op of a segment wait for the one tf.gradients
-    made before it (report.orders_backward), and so does each op reading a large tensor:
-    an executor running two side by side holds both where the model holds one (MobileNetV2's 'memory' peak moved between 79 and 115
-    MB with one plan). A list of the same checkpoints adds no such waits; no op nothing
+    """'memory' makes each large gradient op of a segment (a large output, or a large
+    tensor read) wait for the one tf.gradients made before it (report.orders_backward;
+    within one gradient function, last made first): an executor running two side by
+    side holds both where the model holds one (MobileNetV2's 'memory' peak moved
+    between 79 and 115 MB with one plan). A list of the same checkpoints adds no such waits; no op nothing
     needs gets a control output (TensorFlow would then run it: the mean side of a batch
     norm's SquaredDifference gradient, a Neg); the gradients are tf.gradients'. (Planned
     for oneDNN's kernels: with TensorFlow's own, a convolution's two gradients are
@@ -550,11 +551,11 @@ def test_memory_runs_each_segments_large_gradient_ops_one_after_another(monkeypa
     assert len(chain) >= 6  # (at least one per batch norm)
     ops = {name: graph.get_operation_by_name(name) for edge in chain for name in edge}
     for earlier, later in chain:
-        # (in the order they were made, but ops of one gradient function: see
+        # (in the order they were made, but ops of one gradient function last made first:
         # test_memory_runs_a_matmuls_kernel_gradient_before_its_input_gradient)
+        one_function = earlier.rpartition("/")[0] == later.rpartition("/")[0]
         assert (_tf_private.creation_index(ops[earlier])
-                < _tf_private.creation_index(ops[later])
-                or earlier.rpartition("/")[0] == later.rpartition("/")[0]), (earlier, later)
+                < _tf_private.creation_index(ops[later]) or one_function), (earlier, later)
     waiting = [later for _, later in chain]
     assert len(waiting) == len(set(waiting))  # one wait each: a chain, not a fan
     assert not [name for name in ops if ops[name].type == "Neg"]
