@@ -66,15 +66,15 @@ def _first_input_last(ops, made_before):
     kernel gradient, which holds the 16 MiB logits gradient, in a quarter of steps
     (30.5-32.0 MiB against 24.0). The reversed ops read nothing of each other, so the
     chain closes no cycle."""
-    result, run = [], []
+    result, run, run_scope = [], [], None
     for op in ops + [None]:
-        if (op is not None and run and _gradient_function(op) is not None
-                and _gradient_function(op) == _gradient_function(run[0])
-                and not _reads_any(op, run, made_before)):
+        scope = None if op is None else _gradient_function(op)
+        if run and scope is not None and scope == run_scope and not _reads_any(
+                op, run, made_before):
             run.append(op)
             continue
         result.extend(reversed(run))
-        run = [op] if op is not None else []
+        run, run_scope = ([op], scope) if op is not None else ([], None)
     return result
 
 
