@@ -396,6 +396,29 @@ def test_a_kernel_cannot_write_into_a_buffer_the_plan_keeps():
             assert prediction.peak_bytes - baseline == pytest.approx(block, rel=0.01), kept
 
 
+def test_elementwise_kernels_write_into_an_input_nothing_else_reads():
+    """Exact GELU, 0.5 * x * erfc(-x * c): `-x * c` is written into `-x`'s buffer, read
+    by that product alone and by no gradient. Not given up: the input of the Erfc, and
+    the factors of the GELU's product (their gradients read them), an input broadcast
+    to a larger output, one another op reads too, and a placeholder (the caller's)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 256])
+        row = tf.compat.v1.placeholder(tf.float32, [1, 256])
+        half = 0.5 * x
+        scaled = -x * 0.7071
+        erfc = tf.math.erfc(scaled)
+        gelu = half * erfc
+        shifted = row + 1.0
+        broadcast = shifted * tf.ones([64, 1])
+        exp = tf.exp(gelu)
+        loss = tf.reduce_sum(exp * gelu) + tf.reduce_sum(broadcast)
+        graph = planner.model_of(ForwardRegion.build([loss], [x, row])).graph
+    owner = graph.buffer_of
+    assert owner(graph.id_of(scaled)) == graph.id_of(scaled.op.inputs[0])  # the Neg's
+    for own in (half, scaled.op.inputs[0], erfc, gelu, shifted, broadcast, exp):
+        assert owner(graph.id_of(own)) == graph.id_of(own), own.name
+
+
 def _scaled(scale_by, op=tf.nn.softmax):
     """op(x @ x^T scaled) @ v; returns ({op type: held bytes}, the product's bytes)."""
     x = tf.compat.v1.placeholder(tf.float32, [4, 32, 16])
