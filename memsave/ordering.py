@@ -40,16 +40,9 @@ def large_ops_needed_by(grads, made_before, excluded, min_bytes):
     in the order they were made but within one gradient function (`_first_input_last`).
     (Ops nothing needs are left out: a control input from one would make TensorFlow
     run it.)"""
-    stack = [t.op for g in grads if g is not None
+    seeds = [t.op for g in grads if g is not None
              for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
-    needed = set()
-    while stack:
-        op = stack.pop()
-        if op in needed or op in excluded or _tf_private.creation_index(op) <= made_before:
-            continue
-        needed.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
+    needed = _walk_needed(seeds, made_before, stop_ops=excluded)
     large = [op for op in needed if _tf_private.control_flow_context(op) is None
              and _holds_large_tensors(op, min_bytes)]
     return _first_input_last(sorted(large, key=_tf_private.creation_index), made_before)
@@ -87,21 +80,27 @@ def _gradient_function(op):
 
 def _reads_any(op, run, made_before):
     """Whether `op` needs one of `run` (ops made before it). Only ops made after the
-    first of `run` (and after the op numbered `made_before`) are walked: an op made
+    op numbered `made_before` and from the first of `run` on are walked: an op made
     earlier cannot read one of them."""
     members = set(run)
-    floor = max(made_before, min(_tf_private.creation_index(m) for m in run))
-    seen, stack = set(), [t.op for t in op.inputs] + list(op.control_inputs)
+    floor = max(made_before, min(_tf_private.creation_index(m) for m in run) - 1)
+    seeds = [t.op for t in op.inputs] + list(op.control_inputs)
+    return any(needed in members for needed in _walk_needed(seeds, floor))
+
+
+def _walk_needed(seed_ops, made_before, stop_ops=frozenset()):
+    """Yields `seed_ops` and the ops they need, through inputs and control inputs, each
+    once, that were made after the op numbered `made_before` and are not in `stop_ops`
+    (whose own inputs are not walked)."""
+    seen, stack = set(), list(seed_ops)
     while stack:
-        current = stack.pop()
-        if current in members:
-            return True
-        if current in seen or _tf_private.creation_index(current) <= floor:
+        op = stack.pop()
+        if op in seen or op in stop_ops or _tf_private.creation_index(op) <= made_before:
             continue
-        seen.add(current)
-        stack.extend(t.op for t in current.inputs)
-        stack.extend(current.control_inputs)
-    return False
+        seen.add(op)
+        yield op
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
 
 
 def _holds_large_tensors(op, min_bytes):

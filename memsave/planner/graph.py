@@ -87,6 +87,9 @@ class StepGraph:
       held: op id -> bytes its gradient keeps of its forward run that no tensor of the
         graph shows, from the op (or its recomputed copy) to its gradient: a
         tf.function call's intermediates (memsave.planner.call_gradients).
+      transient: op id -> bytes of the largest buffer a tf.function call makes and frees
+        within its run (memsave.planner.call_gradients.run_bytes), made before
+        its outputs.
       folded: op id -> bytes of the product Grappler's constant folding makes of its
         output in the forward pass, held to its gradient (`_link_folded_products`).
       pieces: tensor id -> how many allocations of equal size its bytes are, where more
@@ -139,6 +142,7 @@ class StepGraph:
         self.workspaces = set()
         self.custom_gradient_ops = set()
         self.held = {}
+        self.transient = {}
         self.folded = {}
         self.pieces = {}
         self.largest_bytes = 0
@@ -420,9 +424,12 @@ class StepGraph:
                 op.type, [self.size[t] for t in ins], self.size[outs[0]], differentiated)
         if self.xla_cpu:
             self.grad_temporaries[index] += xla_buffers.gradient_temporary_bytes(op)
-        held = call_gradients.held_bytes(op, self.unknown_dim_size) if differentiated else 0
+        held, transient = (call_gradients.run_bytes(op, self.unknown_dim_size)
+                           if differentiated else (0, 0))
         if held:
             self.held[index] = held
+        if transient:
+            self.transient[index] = transient
         if self.conv_threads:
             for_filter, for_input = opinfo.conv_gradient_workspace(
                 op, differentiated, self.conv_threads)
