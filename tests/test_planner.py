@@ -398,24 +398,36 @@ def test_a_kernel_cannot_write_into_a_buffer_the_plan_keeps():
 
 def test_elementwise_kernels_write_into_an_input_nothing_else_reads():
     """Exact GELU, 0.5 * x * erfc(-x * c): `-x * c` is written into `-x`'s buffer, read
-    by that product alone and by no gradient. Not given up: the input of the Erfc, and
-    the factors of the GELU's product (their gradients read them), an input broadcast
-    to a larger output, one another op reads too, and a placeholder (the caller's)."""
+    by that product alone and by no gradient; a sum whose first input is broadcast into
+    its second's. Not given up: the input of the Erfc, and the factors of the GELU's
+    product (their gradients read them), an input another op reads too, one broadcast
+    to a larger output (a [1, 256] row is no [None, 256] batch, however large None is
+    assumed), one split from a larger buffer, and a placeholder (the caller's)."""
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [64, 256])
         row = tf.compat.v1.placeholder(tf.float32, [1, 256])
+        batch = tf.compat.v1.placeholder(tf.float32, [None, 256])
         half = 0.5 * x
         scaled = -x * 0.7071
         erfc = tf.math.erfc(scaled)
         gelu = half * erfc
+        shared = x + 1.0
+        doubled = shared * 2.0
         shifted = row + 1.0
         broadcast = shifted * tf.ones([64, 1])
-        exp = tf.exp(gelu)
-        loss = tf.reduce_sum(exp * gelu) + tf.reduce_sum(broadcast)
+        second = (row + 2.0) + -x
+        unknown = (row + 3.0) + batch
+        piece, _ = tf.split(x * 3.0, 2)
+        split_scaled = piece * 4.0
+        loss = (tf.reduce_sum(gelu) + tf.reduce_sum(doubled) + tf.reduce_sum(shared)
+                + tf.reduce_sum(broadcast) + tf.reduce_sum(second) + tf.reduce_sum(unknown)
+                + tf.reduce_sum(split_scaled))
         graph = planner.model_of(ForwardRegion.build([loss], [x, row])).graph
     owner = graph.buffer_of
     assert owner(graph.id_of(scaled)) == graph.id_of(scaled.op.inputs[0])  # the Neg's
-    for own in (half, scaled.op.inputs[0], erfc, gelu, shifted, broadcast, exp):
+    assert owner(graph.id_of(second)) == graph.id_of(second.op.inputs[1])  # -x's
+    for own in (half, scaled.op.inputs[0], erfc, gelu, shared, doubled, shifted, broadcast,
+                unknown, split_scaled):
         assert owner(graph.id_of(own)) == graph.id_of(own), own.name
 
 

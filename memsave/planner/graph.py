@@ -87,9 +87,6 @@ class StepGraph:
       held: op id -> bytes its gradient keeps of its forward run that no tensor of the
         graph shows, from the op (or its recomputed copy) to its gradient: a
         tf.function call's intermediates (memsave.planner.call_gradients).
-      transient: op id -> bytes of the largest buffer a tf.function call makes and frees
-        within its run (memsave.planner.call_gradients.run_bytes), made before
-        its outputs.
       folded: op id -> bytes of the product Grappler's constant folding makes of its
         output in the forward pass, held to its gradient (`_link_folded_products`).
       pieces: tensor id -> how many allocations of equal size its bytes are, where more
@@ -142,7 +139,6 @@ class StepGraph:
         self.workspaces = set()
         self.custom_gradient_ops = set()
         self.held = {}
-        self.transient = {}
         self.folded = {}
         self.pieces = {}
         self.largest_bytes = 0
@@ -312,8 +308,8 @@ class StepGraph:
             out = self.outputs[index][out]
             for position in candidates:
                 read = self.inputs[index][position]
-                if (self.size[read] == self.size[out] > 0
-                        and self.tensors[read].dtype == self.tensors[out].dtype
+                if (self.size[read] > 0
+                        and _same_elements(self.tensors[read], self.tensors[out])
                         and self._owned_by_reader_alone(read, index, read_by_gradients)):
                     self.alias_of[out] = read
                     self.forwarded.add(out)
@@ -327,7 +323,9 @@ class StepGraph:
         while (self.consumers[source] == [reader] and not self.is_y[source]
                and source not in read_by_gradients):
             if self.alias_of[source] < 0:  # (the buffer's owner: a reshape of it may be read)
-                return self.kind[self.producer[source]] != RESIDENT
+                producer = self.producer[source]
+                return (self.kind[producer] != RESIDENT
+                        and self.ops[producer].type not in opinfo.SUB_BUFFER_OP_TYPES)
             reader, source = self.producer[source], self.alias_of[source]
         return False
 
@@ -424,12 +422,9 @@ class StepGraph:
                 op.type, [self.size[t] for t in ins], self.size[outs[0]], differentiated)
         if self.xla_cpu:
             self.grad_temporaries[index] += xla_buffers.gradient_temporary_bytes(op)
-        held, transient = (call_gradients.run_bytes(op, self.unknown_dim_size)
-                           if differentiated else (0, 0))
+        held = call_gradients.held_bytes(op, self.unknown_dim_size) if differentiated else 0
         if held:
             self.held[index] = held
-        if transient:
-            self.transient[index] = transient
         if self.conv_threads:
             for_filter, for_input = opinfo.conv_gradient_workspace(
                 op, differentiated, self.conv_threads)
@@ -580,6 +575,17 @@ class StepGraph:
         """Bytes alive before the step starts: inputs, constants and variables."""
         return sum(self.size[t] for i, k in enumerate(self.kind) if k == RESIDENT
                    for t in self.outputs[i])
+
+
+def _same_elements(a, b):
+    """Whether tensors `a` and `b` have one dtype and, for certain, as many elements: both
+    shapes known whole, or the same dimensions, unknown ones at the same places (a
+    [1, T, D] slice is not a [None, T, D] batch's size, however large None is assumed)."""
+    if a.dtype != b.dtype or a.shape.rank is None or b.shape.rank is None:
+        return False
+    if a.shape.is_fully_defined() and b.shape.is_fully_defined():
+        return a.shape.num_elements() == b.shape.num_elements()
+    return a.shape.as_list() == b.shape.as_list()
 
 
 def is_data(t):

@@ -479,8 +479,6 @@ class MemoryModel:
             step = 0 if kind == RESIDENT else timeline.step(("forward", op, None))
             for tid in graph.inputs[op]:
                 timeline.use(buffers[tid], step)
-            if op in graph.transient:
-                timeline.buffer(step, graph.transient[op], "forward", -(op + 1), end=step)
             for tid in graph.outputs[op]:
                 source = graph.alias_of[tid]
                 if source >= 0 and buffers[source] is not None and tid not in unforwardable:
@@ -703,8 +701,6 @@ class MemoryModel:
             step = timeline.step(("recompute", op, index))
             for tid in graph.inputs[op]:
                 timeline.use(local.get(tid, forward[tid]), step)
-            if op in graph.transient:
-                timeline.buffer(step, graph.transient[op], "recomputed", -(op + 1), end=step)
             for tid in graph.outputs[op]:
                 source = graph.alias_of[tid]
                 if source >= 0 and (source in local or tid not in graph.forwarded):
