@@ -108,7 +108,7 @@ class StepGraph:
       inter_op_threads: how many gradient steps run side by side where they do not wait
         for each other (Environment.inter_op_threads; memsave.planner.memory).
       forwarded: ids of the tensors whose alias_of is an input whose buffer the kernel
-        writes into (opinfo.forwarded_inputs): shared only where that input is made in
+        writes into (opinfo.FORWARDED_OUTPUTS): shared only where that input is made in
         the same pass, not a checkpoint read from the forward pass.
       gradient_into: op id -> (input tensor id, output tensor id) where the op's gradient
         for that input is written into that output's buffer (opinfo.GRADIENT_INTO_OUTPUT:
@@ -293,41 +293,26 @@ class StepGraph:
                    for i in positions)
 
     def _link_forwarded_outputs(self):
-        """An output the kernel writes into an input's buffer (opinfo.forwarded_inputs)
-        shares it, where that input is as large and of its dtype, and it, and every
-        tensor sharing its buffer (a reshape of the logits), is read by the next alone,
-        by no gradient, and made in the step. (Whether a plan keeps that buffer for a
-        later segment is the memory model's to check: MemoryModel's unforwardable
-        outputs.)"""
+        """An output the kernel writes into an input's buffer (opinfo.FORWARDED_OUTPUTS)
+        shares it, where that input, and every tensor sharing its buffer (a reshape of
+        the logits), is read by the next alone, by no gradient, and it is made in the
+        step. (Whether a plan keeps that buffer for a later segment is the memory
+        model's to check: MemoryModel's unforwardable outputs.)"""
         read_by_gradients = {t for reads in self.grad_reads for t in reads}
         for index, op in enumerate(self.ops):
-            forwarded = opinfo.forwarded_inputs(op.type)
+            forwarded = opinfo.FORWARDED_OUTPUTS.get(op.type)
             if forwarded is None or len(self.inputs[index]) != len(op.inputs):
                 continue
-            candidates, out = forwarded
-            out = self.outputs[index][out]
-            for position in candidates:
-                read = self.inputs[index][position]
-                if (self.size[read] > 0
-                        and _same_elements(self.tensors[read], self.tensors[out])
-                        and self._owned_by_reader_alone(read, index, read_by_gradients)):
-                    self.alias_of[out] = read
-                    self.forwarded.add(out)
+            read, out = self.inputs[index][forwarded[0]], self.outputs[index][forwarded[1]]
+            reader, source = index, read
+            while (self.consumers[source] == [reader] and not self.is_y[source]
+                   and source not in read_by_gradients):
+                if self.alias_of[source] < 0:  # (the buffer's owner: a reshape of it may be read)
+                    if self.kind[self.producer[source]] != RESIDENT:
+                        self.alias_of[out] = read
+                        self.forwarded.add(out)
                     break
-
-    def _owned_by_reader_alone(self, read, reader, read_by_gradients):
-        """Whether the buffer of tensor `read` is made in the step and read by op `reader`
-        alone: `read`, and every tensor whose buffer it shares, read by the next alone,
-        by no gradient, and no y."""
-        source = read
-        while (self.consumers[source] == [reader] and not self.is_y[source]
-               and source not in read_by_gradients):
-            if self.alias_of[source] < 0:  # (the buffer's owner: a reshape of it may be read)
-                producer = self.producer[source]
-                return (self.kind[producer] != RESIDENT
-                        and self.ops[producer].type not in opinfo.SUB_BUFFER_OP_TYPES)
-            reader, source = self.producer[source], self.alias_of[source]
-        return False
+                reader, source = self.producer[source], self.alias_of[source]
 
     def _link_gradients_into_outputs(self):
         """`gradient_into`: gradients written into an output nothing else reads
@@ -575,17 +560,6 @@ class StepGraph:
         """Bytes alive before the step starts: inputs, constants and variables."""
         return sum(self.size[t] for i, k in enumerate(self.kind) if k == RESIDENT
                    for t in self.outputs[i])
-
-
-def _same_elements(a, b):
-    """Whether tensors `a` and `b` have one dtype and, for certain, as many elements: both
-    shapes known whole, or the same dimensions, unknown ones at the same places (a
-    [1, T, D] slice is not a [None, T, D] batch's size, however large None is assumed)."""
-    if a.dtype != b.dtype or a.shape.rank is None or b.shape.rank is None:
-        return False
-    if a.shape.is_fully_defined() and b.shape.is_fully_defined():
-        return a.shape.num_elements() == b.shape.num_elements()
-    return a.shape.as_list() == b.shape.as_list()
 
 
 def is_data(t):

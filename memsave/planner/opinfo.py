@@ -116,41 +116,6 @@ CONSTANT_SCALINGS = {"Mul": (0, 1), "RealDiv": (1,)}
 # keeps that input for a later segment (MemoryModel._unforwardable): counted anyway, the
 # 'memory' plan chosen kept the head's matmul output, predicted -19%.
 FORWARDED_OUTPUTS = {"SparseSoftmaxCrossEntropyWithLogits": (0, 1), "BiasAdd": (0, 0)}
-# Elementwise kernels (cwise_ops_common.h's UnaryOp and BinaryOp, relu_op.h's
-# UnaryElementWiseOp) do the same with any input of the output's shape and dtype, the
-# first that qualifies (readers outside the step's region are not seen: a tensor a
-# function also returns is counted as given up): exact GELU's `-x * c` is written into `-x`'s buffer, a layer
-# norm's `x - mean` chain into one buffer. Without them the allocator replay placed a
-# ViT's checkpoints in the 3 MiB chunks its layer norms' temporaries had freed (Keras
-# ViT, 'memory': replayed 91.0 MiB, measured 78.9-81.5, AMD EPYC with AVX-512).
-_UNARY_ELEMENTWISE = frozenset([
-    "Neg", "Abs", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal",
-    "Inv", "Tanh", "Sigmoid", "Erf", "Erfc", "Sin", "Cos", "Tan", "Sinh", "Cosh", "Asin",
-    "Acos", "Atan", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma", "Floor", "Ceil", "Round",
-    "Sign", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Softplus", "Softsign",
-])
-_BINARY_ELEMENTWISE = frozenset([
-    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum",
-    "Minimum", "SquaredDifference", "Pow", "FloorDiv", "FloorMod", "Atan2", "Xlogy", "Xdivy",
-])
-# Outputs that are views of their input's buffer at run time (a split or slice along the
-# first dimension): a kernel writes into a buffer only where the tensor owns it, so never
-# into these.
-SUB_BUFFER_OP_TYPES = frozenset(["Split", "SplitV", "Unpack", "Slice", "StridedSlice"])
-
-
-def forwarded_inputs(op_type):
-    """(the inputs whose buffer the kernel of `op_type` may write its output into, in the
-    order it tries them, that output), or None."""
-    if op_type in FORWARDED_OUTPUTS:
-        read, out = FORWARDED_OUTPUTS[op_type]
-        return (read,), out
-    if op_type in _UNARY_ELEMENTWISE:
-        return (0,), 0
-    if op_type in _BINARY_ELEMENTWISE:
-        return (0, 1), 0
-    return None
-
 
 # Gradients written into the buffer of an output of the op that only they read: op type
 # -> (input, output). The sparse cross-entropy's gradient is its backprop output times
