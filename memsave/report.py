@@ -85,8 +85,8 @@ class RewriteReport:
     large gradient ops (large outputs, or reading a large tensor) run one after another,
     in the order tf.gradients made them but an op's weight gradient before its input
     gradient, so that an executor running ops side by side holds what the memory model
-    holds (the 'memory' strategy; not under XLA, nor where TensorFlow's own CPU convolution gradients are
-    already serialized). `loops` says, for each while_v2 loop on the path, what its
+    holds (the 'memory' strategy; not under XLA, nor where TensorFlow's own CPU
+    convolution gradients are already serialized). `loops` says, for each while_v2 loop on the path, what its
     gradient keeps: recomputed (a copy runs in the backward pass and keeps only each
     iteration's carry and inputs, memsave.graph.loops) or kept as TensorFlow builds it,
     and why. `memory_calibration` says which peaks a budget compared with its limit:

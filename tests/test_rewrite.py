@@ -519,8 +519,8 @@ def test_memory_runs_each_segments_large_gradient_ops_one_after_another(monkeypa
     tensor read) wait for the one tf.gradients made before it (report.orders_backward;
     within one gradient function, last made first): an executor running two side by
     side holds both where the model holds one (MobileNetV2's 'memory' peak moved
-    between 79 and 115 MB with one plan). A list of the same checkpoints adds no such waits; no op nothing
-    needs gets a control output (TensorFlow would then run it: the mean side of a batch
+    between 79 and 115 MB with one plan). A list of the same checkpoints adds no such
+    waits; no op nothing needs gets a control output (TensorFlow would then run it: the mean side of a batch
     norm's SquaredDifference gradient, a Neg); the gradients are tf.gradients'. (Planned
     for oneDNN's kernels: with TensorFlow's own, a convolution's two gradients are
     ordered pairwise instead, test_tensorflows_own_kernels_order_...)"""
