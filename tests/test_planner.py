@@ -274,8 +274,10 @@ def test_a_custom_gradient_reads_what_its_function_reads():
             assert [t for t, _ in step.grad_inputs[op]] == [step.id_of(h)]
             # sigmoid(x) * (1 + x * (1 - sigmoid(x))): the sigmoid and 1 - sigmoid at once
             # (each product writes into an input it reads last; beta * x, beta being 1, is
-            # x once Grappler has folded it), and a scalar constant.
-            assert step.grad_temporaries[op] == 2 * S + 4
+            # x once Grappler has folded it), then the result written into one of them:
+            # one tensor besides the result (counted as the gradient), and a scalar.
+            assert step.grad_temporaries[op] == S + 4
+            assert step.temporary_pieces(op, S + 4) == 1
         for op in step.region_op_ids():
             if step.ops[op].type in ("Sigmoid", "Mul"):  # silu's forward ops: no gradient
                 assert (step.grad_reads[op], step.grad_inputs[op]) == ([], [])
@@ -290,6 +292,26 @@ def test_a_custom_gradient_reads_what_its_function_reads():
     assert prediction.resident_bytes == S + SUM_AXES + 4 * 4  # (and each silu's beta)
     assert prediction.peak_bytes == prediction.resident_bytes + 3 * S + 2 * S + temporaries
     assert prediction.peak_at == f"backward pass, gradient of {step.ops[identities[-1]].name}"
+
+
+def test_a_gradients_temporaries_are_replayed_as_the_tensors_they_are():
+    """A product of two broadcast inputs makes two output-sized products in its gradient
+    (each reduced to its input's shape): two allocations, each placed where it fits,
+    not one chunk of twice the size (which needs a free chunk that large)."""
+    with tf.Graph().as_default():
+        a = tf.compat.v1.placeholder(tf.float32, [256, 1])
+        b = tf.compat.v1.placeholder(tf.float32, [1, 256])
+        y = tf.tanh(a * b)
+        step = planner.StepGraph.build(ForwardRegion.build([tf.reduce_sum(y)], [a, b]))
+        op = step.op_id[y.op.inputs[0].op]
+        assert step.grad_temporaries[op] == 2 * S
+        assert step.temporary_pieces(op, 2 * S) == 2
+        assert step.temporary_pieces(op, 3 * S) == 1  # (a workspace added: one chunk)
+        model = planner.MemoryModel(step)
+        model.baseline()
+    timeline = model._last[1]
+    assert [pieces for owner, pieces in zip(timeline.owners, timeline.pieces)
+            if owner == -(op + 1)] == [2]
 
 
 def test_a_custom_gradient_that_cannot_be_built_elsewhere_reads_everything():

@@ -33,10 +33,13 @@ class GradientProbe:
       differentiated: indices of the op's inputs it returns a gradient for.
       temporaries: the most bytes its own intermediate tensors hold at once while it
         makes those gradients (its results not counted).
+      temporary_pieces: how many tensors hold those bytes at that moment (each is an
+        allocation of its own, placed where it fits).
     """
     reads: tuple
     differentiated: tuple
     temporaries: int
+    temporary_pieces: int = 1
 
 
 def has_custom_gradient(op):
@@ -77,13 +80,13 @@ def probe(op, wanted, unknown_dim_size=1):
     ones = {id(inner) for outer, inner in scratch.captures if _all_ones(outer)} | {
         id(t) for o in scratch.get_operations() if o.type == "Const" for t in o.outputs
         if _all_ones(t)}
+    temporaries, pieces = _temporaries(scratch, [r for r in results if r is not None],
+                                       placeholders, ones, unknown_dim_size)
     return GradientProbe(
         # (a captured eager tensor, such as a variable's handle, is no tensor of the step)
         reads=tuple(outer for outer, _ in scratch.captures if isinstance(outer, tf.Tensor)
                     and not _tf_private.is_eager_tensor(outer)),
-        differentiated=differentiated,
-        temporaries=_temporaries(scratch, [r for r in results if r is not None], placeholders,
-                                 ones, unknown_dim_size))
+        differentiated=differentiated, temporaries=temporaries, temporary_pieces=pieces)
 
 
 def _all_ones(t):
@@ -124,18 +127,28 @@ class _Buffers:
         if index is not None:
             self.ends[index] = max(self.ends[index], step)
 
-    def peak(self, steps):
-        return intervals.peak(self.starts, self.ends, self.sizes, steps)[0]
+    def peak_besides(self, steps, results):
+        """(the most bytes alive at once less the bytes of buffers `results`, about how
+        many of the other buffers alive then hold them: as many as the largest fills)."""
+        nbytes, at = intervals.peak(self.starts, self.ends, self.sizes, steps)
+        nbytes = max(nbytes - sum(self.sizes[index] for index in results), 0)
+        largest = max((size for index, (start, end, size)
+                       in enumerate(zip(self.starts, self.ends, self.sizes))
+                       if start <= at <= end and index not in results), default=0)
+        return nbytes, max(round(nbytes / largest), 1) if largest else 1
 
 
 def _temporaries(graph, results, placeholders, ones, unknown_dim_size):
-    """The most bytes alive at once among the tensors `graph`'s ops make on the way to
-    `results` (what the executor runs; the rest is pruned), in creation order; the
-    results and the placeholders (incoming gradients, captured forward tensors) not
-    counted. As TensorFlow runs them: an identity, or a product with a tensor of ones
-    (which Grappler's constant folding turns into one), holds no buffer of its own, and
-    an elementwise op writes into an input it is the last to read (the executor
-    forwards that buffer to its output)."""
+    """(bytes, how many tensors hold them): what the tensors `graph`'s ops make on the way
+    to `results` (what the executor runs; the rest is pruned), run in creation order, add
+    at most to the results, which the model counts as the gradients they are; the
+    placeholders (incoming gradients, captured forward tensors) not counted. As
+    TensorFlow runs them: an identity, or a product with a tensor of ones (which
+    Grappler's constant folding turns into one), holds no buffer of its own, and an
+    elementwise op writes into an input it is the last to read (the executor forwards
+    that buffer to its output), a result too: SiLU's gradient makes its sigmoid and
+    `1 - sigmoid` and writes its result into one of them, so it adds one tensor to its
+    result, not two (the 'memory' step of a SiLU MLP measured that, AMD EPYC)."""
     needed, stack = set(), [r.op for r in results]
     while stack:
         op = stack.pop()
@@ -150,7 +163,7 @@ def _temporaries(graph, results, placeholders, ones, unknown_dim_size):
     def last_reader(t):
         return max((position[c] for c in t.consumers() if c in position), default=-1)
 
-    buffers = _Buffers()
+    buffers, result_buffers = _Buffers(), set()
     for step, op in enumerate(ordered):
         for t in op.inputs:
             buffers.read(t, step)
@@ -162,16 +175,16 @@ def _temporaries(graph, results, placeholders, ones, unknown_dim_size):
                 buffers.share(t, source)
             else:
                 dying = _forwardable_input(op, t, step, buffers)
-                if id(t) in result_ids:  # (counted by the model as the gradient it is)
-                    if dying is not None:
-                        buffers.ends[buffers.of[id(dying)]] = step - 1
-                    continue
                 if dying is not None:
                     buffers.share(t, dying)
                 else:
                     buffers.new(t, step, estimated_bytes(t, unknown_dim_size))
-            buffers.read(t, max(step, last_reader(t)))
-    return buffers.peak(len(ordered))
+            if id(t) in result_ids and id(t) in buffers.of:
+                result_buffers.add(buffers.of[id(t)])
+                buffers.read(t, len(ordered))  # (alive after: the gradient it is)
+            else:
+                buffers.read(t, max(step, last_reader(t)))
+    return buffers.peak_besides(len(ordered), result_buffers)
 
 
 def _shared_input(op, t, ones):

@@ -546,7 +546,8 @@ class MemoryModel:
                 converted = {buffers[tid] for tid, _ in through}
                 deferred.append((op, later, [b for b in reads if b not in converted] + incoming,
                                  temporaries_later))
-        made = ([timeline.buffer(step, temporaries, "gradients", -(op + 1))]
+        made = ([timeline.buffer(step, temporaries, "gradients", -(op + 1),
+                                 pieces=graph.temporary_pieces(op, temporaries))]
                 if temporaries else [])
         if beside:
             self._running.append([beside, reads + incoming + made])

@@ -226,20 +226,23 @@ def differentiated_reads(op_type, num_inputs, num_outputs, differentiated):
 
 
 def gradient_temporaries(op_type, input_bytes, output_bytes, differentiated):
-    """Bytes of the short-lived tensors the gradient of an op makes besides its results.
+    """The short-lived tensors the gradient of an op makes besides its results.
 
     Args:
       op_type: the op's type.
       input_bytes: bytes of each input.
       output_bytes: bytes of output 0.
       differentiated: indices of the inputs that receive a gradient.
+    Returns:
+      (their bytes, how many tensors hold them: each is an allocation of its own).
     """
     factor = _BROADCAST_TEMPORARIES.get(op_type)
     if factor:
-        return sum(factor * output_bytes for i in differentiated if input_bytes[i] < output_bytes)
+        count = factor * sum(1 for i in differentiated if input_bytes[i] < output_bytes)
+        return count * output_bytes, max(count, 1)
     if op_type in _TILE_TEMPORARIES and 0 in differentiated:
-        return input_bytes[0]
-    return 0
+        return input_bytes[0], 1
+    return 0, 1
 
 
 # TensorFlow's own CPU kernels for the gradients of Conv2D (used when oneDNN is off)
