@@ -5,6 +5,8 @@
     python benchmarks/peak_breakdown.py --model keras --app ResNet50 --image-size 96 \
         --mixed-precision bfloat16 --at conv2_block3_3_bn_1/batchnorm/mul_1_grad
 
+    python benchmarks/peak_breakdown.py --model vit --function  # as a tf.function
+
 Where the measured peak and the model disagree, this says why. The step runs in its
 own process (`memsave.measure.run_isolated`, BFC allocator on) as a tf.compat.v1
 Session, traced once with `FULL_TRACE`: TensorFlow then records every allocation
@@ -18,7 +20,9 @@ bytes alive at every moment; at the largest moment, this prints them by kind:
   gradients   every other op the gradients call added, and within them
   grads of xs the returned gradients' buffers;
 
-plus the weights (resident before the step: the model's `resident_bytes`), the BFC
+plus the weights (resident before the step: the model's `resident_bytes`; with
+`--function`, the step runs as the tf.function a training loop calls, traced by
+TensorFlow's profiler, and this is what the allocator held before it), the BFC
 allocator's own peak for the process, and the memory model's prediction for the same
 plan (peak, where, and its breakdown), with the largest tensors the model holds at its
 own peak, to set beside the measured ones. `--at NAME` shows the moment the first op
@@ -106,43 +110,151 @@ def _live_at_peak(events, at=None):
 
 
 def measure_breakdown(model="cnn", strategy="memory", depth=None, batch=None, top=15,
-                      model_options=None, at=None):
-    """Child side: the live buffers at the step's peak, and the model's prediction."""
+                      model_options=None, at=None, function=False):
+    """Child side: the live buffers at the step's peak, and the model's prediction; the
+    step run as a tf.compat.v1 Session, or with `function` as the tf.function a training
+    loop (and the tests, and compare.py) calls."""
     import tensorflow as tf
 
     from benchmarks.models import build_model
 
-    graph = tf.Graph()
-    with graph.as_default():
+    bench = None
+    if function:
         bench = build_model(model, depth=depth, batch=batch, **(model_options or {}))
-        loss = bench.loss(*[tf.constant(value) for value in bench.inputs])
-        forward_names = {op.name for op in graph.get_operations()}
-        grads, report = _gradients(loss, bench.variables, strategy)
-        model_at, model_largest = _model_view(loss, bench.variables, report, strategy, top)
-        gradient_names = {_allocating_op(g.op).name for g in grads if g is not None}
-        op_types = {op.name: op.type for op in graph.get_operations()}
-        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-        metadata = tf.compat.v1.RunMetadata()
-        with tf.compat.v1.Session(graph=graph) as session:
-            session.run(tf.compat.v1.global_variables_initializer())
-            session.run(grads)  # Grappler, executor and allocator set up
-            session.run(grads, options=options, run_metadata=metadata)
-    peak, alive = _live_at_peak(_allocations(metadata), at)
+        traced = _traced_function_step(bench, strategy, top)
+    else:
+        with tf.Graph().as_default():
+            bench = build_model(model, depth=depth, batch=batch, **(model_options or {}))
+            traced = _traced_session_step(bench, strategy, top)
+    peak, alive = _live_at_peak(traced["events"], at)
     by_kind = collections.Counter()
+    forward_names, gradient_names = traced["forward_names"], traced["gradient_names"]
     for name, nbytes in alive.items():
         by_kind[_kind(name, forward_names, gradient_names)] += nbytes
     largest = sorted(alive.items(), key=lambda item: -item[1])[:top]
+    report, (model_at, model_largest) = traced["report"], traced["model_view"]
     predicted = report.baseline_peak_bytes if strategy == BASELINE else report.predicted_peak_bytes
     return {
-        "model": model, "strategy": strategy,
+        "model": model, "strategy": strategy, "function": bool(function),
         "bfc_peak": tf.config.experimental.get_memory_info(measure.memory_device())["peak"],
-        "resident": report.resident_bytes, "records_peak": peak, "by_kind": dict(by_kind),
-        "largest": [(name, op_types.get(name, "?"), _kind(name, forward_names, gradient_names),
-                     nbytes) for name, nbytes in largest],
+        "resident": traced.get("resident", report.resident_bytes), "records_peak": peak,
+        "by_kind": dict(by_kind),
+        "largest": [(name, traced["op_types"].get(name, "?"),
+                     _kind(name, forward_names, gradient_names), nbytes)
+                    for name, nbytes in largest],
         "predicted": predicted,
         "predicted_at": report.baseline_peak_at if strategy == BASELINE else report.peak_at,
         "model_at": model_at, "model_largest": model_largest, "at": at,
     }
+
+
+def _traced_session_step(bench, strategy, top):
+    """The step in a tf.compat.v1 Session, its second run traced with FULL_TRACE: its
+    allocation records, and what the gradients call built and predicted."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    loss = bench.loss(*[tf.constant(value) for value in bench.inputs])
+    traced = _built(graph, loss, bench.variables, strategy, top)
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(traced["grads"])  # Grappler, executor and allocator set up
+        session.run(traced["grads"], options=options, run_metadata=metadata)
+    traced["events"] = _allocations(metadata)
+    return traced
+
+
+def _traced_function_step(bench, strategy, top):
+    """The step as a tf.function, its third call traced by TensorFlow's profiler (a
+    function's runs leave no RunMetadata): its allocations and deallocations, what the
+    allocator held before it (`resident`: weights, inputs, and whatever the process
+    keeps), and what the gradients call built and predicted while it was traced."""
+    import tempfile
+
+    import tensorflow as tf
+
+    traced = {}
+
+    def grad_fn(ys, xs):
+        traced.update(_built(ys.graph, ys, xs, strategy, top))
+        return traced["grads"]
+
+    step = bench.make_step(grad_fn)
+    inputs = [tf.constant(value) for value in bench.inputs]
+    for _ in range(2):  # (traced, then Grappler's and the allocator's first run done)
+        step(*inputs)
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            [g.numpy() for g in step(*inputs)[1] if g is not None]
+        finally:
+            tf.profiler.experimental.stop()
+        traced["events"], traced["resident"] = _profiled_allocations(logdir)
+    traced["op_types"] = {op.name: op.type for op in
+                          step.get_concrete_function(*inputs).graph.get_operations()}
+    return traced
+
+
+def _built(graph, loss, variables, strategy, top):
+    """The gradients of `loss` by `strategy` in `graph`, the names of the forward pass's
+    ops (those there before) and of the ops making the gradients, the report, the
+    model's view of its own peak, and every op's type."""
+    forward_names = {op.name for op in graph.get_operations()}
+    grads, report = _gradients(loss, variables, strategy)
+    return {"grads": grads, "report": report, "forward_names": forward_names,
+            "gradient_names": {_allocating_op(g.op).name for g in grads if g is not None},
+            "model_view": _model_view(loss, variables, report, strategy, top),
+            "op_types": {op.name: op.type for op in graph.get_operations()}}
+
+
+def _profiled_allocations(logdir):
+    """((time, bytes, op name) of every allocation (+) and deallocation (-) TensorFlow's
+    profiler recorded under `logdir`, the bytes the allocator held before the first):
+    an allocation's bytes are its chunk's (as the allocation records'), a deallocation
+    names the op whose chunk it frees."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    events = []
+    for path in sorted(Path(logdir).rglob("*.xplane.pb")):
+        space = xplane_pb2.XSpace()
+        space.ParseFromString(path.read_bytes())
+        for plane in space.planes:
+            kinds = {key: meta.name for key, meta in plane.event_metadata.items()}
+            stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}
+            for line in plane.lines:
+                for event in line.events:
+                    kind = kinds.get(event.metadata_id)
+                    if kind in ("MemoryAllocation", "MemoryDeallocation"):
+                        stats = {stat_names.get(stat.metadata_id): _stat_value(plane, stat)
+                                 for stat in event.stats}
+                        events.append((line.timestamp_ns * 1000 + event.offset_ps, kind, stats))
+    events.sort(key=lambda event: event[0])
+    chunks, records, before = {}, [], None
+    for time_ps, kind, stats in events:
+        if before is None and kind == "MemoryAllocation":
+            before = int(stats.get("bytes_allocated") or 0) - int(
+                stats.get("allocation_bytes") or 0)
+        address = stats.get("addr")
+        if kind == "MemoryAllocation":
+            name = str(stats.get("tf_op") or "?")
+            nbytes = int(stats.get("allocation_bytes") or 0)
+            chunks[address] = (nbytes, name)
+            records.append((time_ps, nbytes, name))
+        elif address in chunks:  # (freed in the step: made in it)
+            nbytes, name = chunks.pop(address)
+            records.append((time_ps, -nbytes, name))
+    return records, before or 0
+
+
+def _stat_value(plane, stat):
+    """An XStat's value: its string (held in the plane's stat metadata where it is a
+    reference), or its number."""
+    kind = stat.WhichOneof("value")
+    if kind == "ref_value":
+        return plane.stat_metadata[stat.ref_value].name
+    return getattr(stat, kind) if kind else None
 
 
 def _model_view(loss, variables, report, strategy, top):
@@ -167,13 +279,19 @@ def _allocating_op(op):
     return op
 
 
+# What the bytes held before the step are called: the model's resident bytes (a
+# Session's records), or what the allocator held (a tf.function's profile).
+_RESIDENT_LABEL = {False: "weights (resident)", True: "held before the step"}
+
+
 def format_breakdown(result):
     moment = (f"when {result['at']!r} first allocates" if result.get("at")
               else "at the step's peak")
     lines = [f"{result['model']} / {result['strategy']}: allocator (BFC) peak of the process "
              f"{result['bfc_peak'] / MiB:.1f} MiB; {moment} from its allocation records "
              f"{(result['resident'] + result['records_peak']) / MiB:.1f} MiB, of which:",
-             f"  {'weights (resident)':<18} {result['resident'] / MiB:8.1f} MiB"]
+             f"  {_RESIDENT_LABEL[bool(result.get('function'))]:<18} "
+             f"{result['resident'] / MiB:8.1f} MiB"]
     for kind in ("forward", "recomputed", "gradients", "grads of xs"):
         lines.append(f"  {kind:<18} {result['by_kind'].get(kind, 0) / MiB:8.1f} MiB")
     lines.append(f"memory model: {result['predicted'] / MiB:.1f} MiB, at {result['predicted_at']}")
@@ -204,6 +322,11 @@ def main(argv=None):
                         help="instead of the peak, what is alive when the first op whose name "
                         "contains NAME allocates (e.g. the model's peak op's gradient, "
                         "'conv2_block3_3_bn_1/batchnorm/mul_1_grad')")
+    parser.add_argument("--function", action="store_true",
+                        help="run the step as a tf.function (as training loops, the tests and "
+                        "compare.py do), its allocations recorded by TensorFlow's profiler, "
+                        "instead of a tf.compat.v1 Session's run: the executor's order, and "
+                        "so the allocator's placement, may differ between the two")
     parser.add_argument("--timeout", type=int, default=1200)
     args = parser.parse_args(argv)
     options = {}
@@ -215,7 +338,8 @@ def main(argv=None):
         options["image_size"] = args.image_size
     result = measure.run_isolated(CHILD_TARGET, timeout=args.timeout, model=args.model,
                                   strategy=args.strategy, depth=args.depth, batch=args.batch,
-                                  top=args.top, model_options=options, at=args.at)
+                                  top=args.top, model_options=options, at=args.at,
+                                  function=args.function)
     print(format_breakdown(result))
     return result
 

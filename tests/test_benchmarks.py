@@ -291,6 +291,24 @@ def test_peak_breakdown_accounts_for_every_byte_alive_at_the_measured_peak():
     assert "the memory model holds at its own peak" in printed
 
 
+def test_peak_breakdown_of_a_tf_function_step_reads_the_profilers_allocations():
+    """The step as the tf.function the tests and compare.py measure: its allocations come
+    from TensorFlow's profiler (a function leaves no RunMetadata), and what was held
+    before the step and what the step allocated add up to the allocator's in-use at the
+    step's peak, never above the process's peak."""
+    result = measure.run_isolated(
+        peak_breakdown.CHILD_TARGET, env={"MEMSAVE_ALWAYS_REWRITE": "1"}, timeout=300,
+        model="cnn", strategy="memory", model_options={"image_size": 32}, top=5,
+        depth=TINY["cnn"]["depth"], batch=8, function=True)
+    by_kind = result["by_kind"]
+    assert sum(by_kind.values()) == result["records_peak"] > 0
+    assert by_kind.get("recomputed", 0) > 0, by_kind
+    assert 0 < result["resident"] and result["resident"] + result["records_peak"] <= (
+        result["bfc_peak"]), result
+    assert len(result["largest"]) == 5 and result["function"]
+    assert "held before the step" in peak_breakdown.format_breakdown(result)
+
+
 def test_peak_breakdown_shows_what_is_alive_when_a_named_op_first_allocates():
     # (time, bytes, op): a 4-byte peak while "b" runs; "c" allocates after "b" is freed.
     events = [(0, 1, "a"), (1, 3, "b"), (2, -3, "b"), (3, 2, "c/grad"), (4, -1, "a")]
