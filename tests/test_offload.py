@@ -207,11 +207,15 @@ def test_the_memory_model_counts_offloaded_checkpoints_as_host_memory(prefetch):
         built = memsave.last_report()
     assert kept.predicted_host_bytes == 0
     assert offloaded.predicted_host_bytes == built.predicted_host_bytes == 3 * 2**20
-    # The peak is in the last segment (first in the backward pass), which reads the last
-    # of three 1 MiB checkpoints. Kept, all three are on the device then; offloaded, only
-    # that one and the `prefetch` ones brought back early for the next segments.
+    # Kept, the step peaks at 7 MiB in the recomputation of the last segment (first in
+    # the backward pass: it reads the last of the three 1 MiB checkpoints) and again in
+    # the next one's, which reads the second (each tanh's gradient writes into its
+    # output's buffer, so the backward passes hold less). Offloaded, the first two are on
+    # the host through the last segment; in the next one's, the first is, unless it was
+    # brought back early (`prefetch`).
     saved = kept.predicted_peak_bytes - offloaded.predicted_peak_bytes
-    assert saved == max(2 - prefetch, 0) * 2**20, (saved, offloaded.peak_at)
+    assert saved == pytest.approx(max(1 - prefetch, 0) * 2**20, abs=16), (
+        saved, offloaded.peak_at)
     assert built.predicted_peak_bytes == offloaded.predicted_peak_bytes
 
 

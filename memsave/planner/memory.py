@@ -206,7 +206,9 @@ class _Gradients:
         self._contribute(tid, self.graph.size[tid], step, None)
 
     def contribute(self, tid, nbytes, step, shares=None):
-        self._contribute(tid, nbytes, step, shares)
+        """Adds a contribution to the gradient of `tid`; returns the buffer it made (None
+        where it shares one)."""
+        return self._contribute(tid, nbytes, step, shares)
 
     def _contribute(self, tid, nbytes, step, shares):
         timeline = self.timeline
@@ -221,6 +223,7 @@ class _Gradients:
                 self.total[tid] = timeline.buffer(step, nbytes, kind, tid)
             if self.graph.is_x[tid]:
                 timeline.use(self.total[tid], _FOREVER)
+        return None if shares is not None else buffer
 
     def complete(self, tids):
         """Whether the gradients of `tids` (a non-empty list) have all arrived."""
@@ -275,6 +278,7 @@ class MemoryModel:
         self._rewriting = False
         self._segment_of = {}
         self._running = []
+        self._written_into = []
         self._recomputed_loops = frozenset(graph.recomputed_loops())
 
     # -- public -------------------------------------------------------------------
@@ -379,6 +383,7 @@ class MemoryModel:
         self._rewriting = segmentation is not None
         self._segment_of = {} if segmentation is None else segmentation.segment_of
         self._running = []  # [steps left, buffers] of gradient steps still running
+        self._written_into = []
         if self._rewriting:
             # The rewrite differentiates these loops' recomputing copies: the loops
             # themselves keep nothing for the backward pass.
@@ -408,6 +413,7 @@ class MemoryModel:
         else:
             recompute, back, deferred = self._segments(
                 segmentation, forward, gradients, timeline, offloaded, prefetch, ahead)
+        self._forward_gradients_into_dying(timeline)
         out_bytes = sum(graph.size[t] for t in offloaded)
         back_bytes = sum(graph.size[t] for t in back)
         peak, at = timeline.peak()
@@ -558,7 +564,29 @@ class MemoryModel:
             shares = incoming[0] if incoming and graph.gradient_passes_through(op, tid) else None
             if into is not None and into[0] == tid:
                 shares = buffers[into[1]]
-            gradients.contribute(tid, nbytes, step, shares)
+            made_here = gradients.contribute(tid, nbytes, step, shares)
+            if made_here is not None and self._elementwise_gradient(op):
+                self._written_into.append((step, made_here, reads + incoming))
+
+    def _elementwise_gradient(self, op):
+        return (op not in self.graph.custom_gradient_ops
+                and self.graph.ops[op].type in opinfo.ELEMENTWISE_GRADIENTS)
+
+    def _forward_gradients_into_dying(self, timeline):
+        """TensorFlow's elementwise kernels write into an input they read last: an
+        elementwise op's gradient writes its contribution into the buffer of a tensor of
+        its size it reads for the last time (the incoming gradient, or the forward
+        tensor)."""
+        taken = set()
+        for step, made, candidates in self._written_into:
+            for buffer in candidates:
+                if (buffer is not None and buffer not in taken
+                        and timeline.ends[buffer] == step and timeline.starts[buffer] < step
+                        and timeline.bytes[buffer] == timeline.bytes[made]
+                        and timeline.kinds[buffer] != "resident"):
+                    timeline.ends[buffer] = step - 1
+                    taken.add(buffer)
+                    break
 
     def _run_beside(self, step, timeline):
         """Gradient step `step` starts while the earlier ones that run beside it still

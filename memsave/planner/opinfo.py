@@ -117,6 +117,17 @@ CONSTANT_SCALINGS = {"Mul": (0, 1), "RealDiv": (1,)}
 # 'memory' plan chosen kept the head's matmul output, predicted -19%.
 FORWARDED_OUTPUTS = {"SparseSoftmaxCrossEntropyWithLogits": (0, 1), "BiasAdd": (0, 0)}
 
+# Ops whose gradient is elementwise, made by elementwise kernels (cwise_ops_common.h's
+# UnaryOp and BinaryOp, the *Grad kernels of tanh, sigmoid, relu, ...), which write
+# their output into an input of its shape and dtype they read last.
+ELEMENTWISE_GRADIENTS = frozenset([
+    "Neg", "Abs", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal",
+    "Inv", "Tanh", "Sigmoid", "Erf", "Erfc", "Sin", "Cos", "Tan", "Sinh", "Cosh", "Asin",
+    "Acos", "Atan", "Asinh", "Acosh", "Atanh", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu",
+    "Softplus", "Softsign", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan",
+    "MulNoNan", "Maximum", "Minimum", "SquaredDifference", "Pow", "Atan2", "Xlogy", "Xdivy",
+])
+
 # Gradients written into the buffer of an output of the op that only they read: op type
 # -> (input, output). The sparse cross-entropy's gradient is its backprop output times
 # the loss's gradient, made in place (a binary op forwards its input's buffer).

@@ -456,7 +456,8 @@ def _improved(search, plans, limit_bytes):
     can recompute twice what the least costly plan does, or all miss a limit that
     some plan meets, and the one-checkpoint plans): each round moves to the best
     neighbour (one candidate added, one dropped, or one moved to a candidate up to two
-    places away in topological order) until none is better. A plan that fits (its live tensors) is better than
+    places away in topological order; where none is better, one added while another
+    moves) until none is better. A plan that fits (its live tensors) is better than
     one that does not; among fitting plans less cost is better, among the others a
     lower peak (with every movable checkpoint offloaded, where offload is allowed).
     Returns (Prediction, plan, offloaded) of the end point if it fits, else None."""
@@ -474,23 +475,41 @@ def _improved(search, plans, limit_bytes):
         prediction = search.predict(plan, search.movable(plan))
         return (1, prediction.peak_bytes, prediction.cost_flops), None
 
+    def moved(kept):
+        for t in sorted(kept, key=lambda t: (producer[t], t)):
+            for step in (-2, -1, 1, 2) if t in position else ():
+                i = position[t] + step
+                if 0 <= i < len(tensors) and tensors[i] not in kept:
+                    yield kept - {t} | {tensors[i]}
+
     def neighbours(plan):
         kept = set(plan)
         for t in tensors:
             yield ordered(kept ^ {t})
-        for t in plan:
-            for step in (-2, -1, 1, 2) if t in position else ():
-                i = position[t] + step
-                if 0 <= i < len(tensors) and tensors[i] not in kept:
-                    yield ordered(kept - {t} | {tensors[i]})
+        for other in moved(kept):
+            yield ordered(other)
+
+    def added_and_moved(plan):
+        kept = set(plan)
+        for t in tensors:
+            if t not in kept:
+                for other in moved(kept):
+                    if t not in other:
+                        yield ordered(other | {t})
+
+    def best_of(plans):
+        return min((scored(p) + (p,) for p in plans if p), key=lambda f: f[0], default=None)
 
     starts = [ordered(set(plan)) for plan in plans if plan]
     if not starts:
         return None
-    score, fitted, plan = min((scored(p) + (p,) for p in starts), key=lambda f: f[0])
+    score, fitted, plan = best_of(starts)
     for _ in range(LOCAL_SEARCH_ROUNDS):
-        best = min((scored(p) + (p,) for p in neighbours(plan) if p), key=lambda f: f[0],
-                   default=None)
+        best = best_of(neighbours(plan))
+        if best is None or best[0] >= score:
+            # Stuck: a checkpoint more where another moves (one more segment, its
+            # boundaries shifted) may fit where neither step alone does.
+            best = best_of(added_and_moved(plan))
         if best is None or best[0] >= score:
             break
         score, fitted, plan = best
