@@ -358,11 +358,12 @@ def test_the_cycle_collector_is_off_while_building_and_as_it_was_after(collector
     assert seen == [False, False, False]
 
 
-def _conv_bn_relu_chain(blocks=2, channels=8, activation=tf.nn.relu, scale_shift=1.0):
+def _conv_bn_relu_chain(blocks=2, channels=8, activation=tf.nn.relu, scale_shift=1.0,
+                        conv_head=False):
     """`blocks` times conv -> fused batch norm -> `activation`, on variables (nothing
     folds), the batch norm's scale `scale_shift` + a variable (None: the variable
-    itself); returns the loss, the xs and each block's (convolution output, activation
-    output)."""
+    itself), then with `conv_head` a 1x1 convolution; returns the loss, the xs and each
+    block's (convolution output, activation output)."""
     read = tf.convert_to_tensor  # each variable read once: the xs are those reads
     h = read(_models._var([4, 32, 32, channels], 40, 1.0))
     xs, blocks_out = [h], []
@@ -376,6 +377,10 @@ def _conv_bn_relu_chain(blocks=2, channels=8, activation=tf.nn.relu, scale_shift
         h = activation(normed)
         xs += [kernel, scale]
         blocks_out.append((conv, h))
+    if conv_head:
+        kernel = read(_models._var([1, 1, channels, channels], 61, 0.2))
+        xs.append(kernel)
+        h = tf.nn.conv2d(h, kernel, strides=1, padding="SAME")
     return tf.reduce_sum(h * h), xs, blocks_out
 
 
@@ -396,7 +401,9 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped, ac
     """A segment's gradients read its checkpoint, and tensors too small to recompute (a
     batch norm's saved mean and variance), as the forward pass made them: a ReLU's
     gradient reads its kept output, so its copy never runs (here reading costs no
-    memory, so the plan reads). A batch norm's copy still runs where its third reserve
+    memory, so the plan reads: a 1x1 convolution heads the loss, whose input gradient
+    writes into no buffer the activation frees; under `h * h` it would, where the
+    activation is recomputed rather than kept). A batch norm's copy still runs where its third reserve
     space is the mask of the ReLU Grappler fuses it with (opinfo.workspace_bytes: half a
     byte per element with oneDNN), not where it is empty (read by a Tanh). The copies
     that do run are the ones the memory model predicts (Segmentation.executed), and the
@@ -404,7 +411,7 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped, ac
     _models.reset_variables()
     graph = tf.Graph()
     with graph.as_default():
-        loss, xs, blocks = _conv_bn_relu_chain(activation=activation)
+        loss, xs, blocks = _conv_bn_relu_chain(activation=activation, conv_head=True)
         checkpoints = [conv for conv, _ in blocks] + [
             out for i, (_, out) in enumerate(blocks) if dropped != ("activation", i)]
         expected = tf.gradients(loss, xs)
@@ -425,12 +432,14 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped, ac
             got, run = _copies_run(session, got)
     assert run == predicted
     types = sorted(graph.get_operation_by_name(name).type for name in run)
-    # Never a kept activation or a convolution. A batch norm, and its scale, for its
-    # ReLU mask, or for the dropped activation's input.
+    # Never a kept activation or a block's convolution. A batch norm, and its scale, for
+    # its ReLU mask, or for the dropped activation's input; and the head's convolution,
+    # whose output (no checkpoint) the last segment's product gradient reads.
     fused = activation is tf.nn.relu and _tf_private.onednn_enabled()
     norms = 2 if fused else (1 if dropped else 0)
     activations = ["Relu" if activation is tf.nn.relu else "Tanh"] * bool(dropped)
-    assert types == sorted(["AddV2"] * norms + ["FusedBatchNormV3"] * norms + activations)
+    assert types == sorted(["AddV2"] * norms + ["FusedBatchNormV3"] * norms + activations
+                           + ["Conv2D"])
     assert_same_gradients(expected, got)
 
 

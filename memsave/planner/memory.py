@@ -569,14 +569,19 @@ class MemoryModel:
                 self._written_into.append((step, made_here, reads + incoming))
 
     def _elementwise_gradient(self, op):
+        """Whether op `op`'s gradient is made by elementwise kernels (not a custom one)."""
         return (op not in self.graph.custom_gradient_ops
                 and self.graph.ops[op].type in opinfo.ELEMENTWISE_GRADIENTS)
 
     def _forward_gradients_into_dying(self, timeline):
-        """TensorFlow's elementwise kernels write into an input they read last: an
-        elementwise op's gradient writes its contribution into the buffer of a tensor of
-        its size it reads for the last time (the incoming gradient, or the forward
-        tensor)."""
+        """An elementwise op's gradient writes each contribution it makes into the buffer
+        of a tensor of its size that it reads for the last time (the forward tensor, as
+        TanhGrad writes into the tanh's output, else the incoming gradient): TensorFlow's
+        elementwise kernels forward an input nothing reads after them, and the
+        allocation records show no buffer of their own (a chain of tanh; exact GELU's
+        gradient, whose products take the recomputed product's and Erfc's buffers in a
+        ViT's step). Done once every step is simulated, when each buffer's last reader
+        is known: the buffer taken ends the step before, each taken once."""
         taken = set()
         for step, made, candidates in self._written_into:
             for buffer in candidates:
