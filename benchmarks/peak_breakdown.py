@@ -213,13 +213,12 @@ def _profiled_allocations(logdir):
     """((time, bytes, op name) of every allocation (+) and deallocation (-) TensorFlow's
     profiler recorded under `logdir`, the bytes the allocator held before the first):
     an allocation's bytes are its chunk's (as the allocation records'), a deallocation
-    names the op whose chunk it frees."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    names the op whose chunk it frees. (Not memsave.calibration's memory profile, which
+    keeps at most 1000 allocations: a ViT's step makes thousands.)"""
+    from memsave.graph import _tf_private
 
     events = []
-    for path in sorted(Path(logdir).rglob("*.xplane.pb")):
-        space = xplane_pb2.XSpace()
-        space.ParseFromString(path.read_bytes())
+    for space in _tf_private.profiler_spaces(logdir):
         for plane in space.planes:
             kinds = {key: meta.name for key, meta in plane.event_metadata.items()}
             stat_names = {key: meta.name for key, meta in plane.stat_metadata.items()}

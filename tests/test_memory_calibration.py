@@ -52,17 +52,20 @@ def test_a_calibrated_byte_budget_counts_the_batch_a_placeholder_leaves_unknown(
 
 def test_a_tf_function_is_calibrated_in_a_fresh_trace_and_then_planned_with_it():
     """The plan's peak is not held to the limit here: as a tf.function this MLP's plans
-    measure 12-19% above their prediction from run to run (AMD EPYC: 69.5-76.5 MiB for
-    62 predicted; the allocator rounds two 4 MiB tensors up to 8 MiB chunks, and the
-    executor runs the next segment's recomputation ahead by varying amounts), which a
-    calibration of tf.gradients' step does not correct."""
-    got = _measure("function_step", fraction=0.7)
+    measure above their prediction by amounts that change from run to run (the allocator
+    rounds two 4 MiB tensors up to 8 MiB chunks, and the executor runs the next segment's
+    recomputation ahead by varying amounts), which a calibration of tf.gradients' step
+    does not correct. AMD EPYC with AVX-512, 90.5-91.0 MiB measured for tf.gradients:
+    budget(0.7)'s plans 68.5-84.5 MiB for 62 predicted (0.75-0.93 of it; TensorFlow
+    2.16, the highest, failed the 0.9 this test held it to), budget(0.6)'s 55.0-60.5 for
+    54 (0.61-0.67, on 2.16 and 2.21)."""
+    got = _measure("function_step", fraction=0.6)
     assert got["traces_after_calibration"] == 0  # (the step's own traces left alone)
     assert got["error"] <= 1e-12
     assert got["fallback"] is None and got["memory_calibration"] is not None
     assert got["measured_baseline_mb"] == got["calibration_mb"]
     assert got["calibrated_mb"] <= got["limit_mb"]
-    assert got["peak_mb"] < 0.9 * got["calibration_mb"], got
+    assert got["peak_mb"] < 0.8 * got["calibration_mb"], got
 
 
 def test_a_memsave_call_in_a_nested_tf_function_is_refused_not_left_answered_plainly():

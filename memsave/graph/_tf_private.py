@@ -404,6 +404,24 @@ def memory_profile(logdir):
     return json.loads(data) if ok and data else None
 
 
+def profiler_spaces(logdir):
+    """The XSpace protos of the profiler traces written under `logdir` (every event the
+    profiler recorded, its memory allocations and deallocations included; the memory
+    profile of memory_profile keeps at most 1000 of them)."""
+    import glob
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError:  # (where TensorFlow keeps it elsewhere)
+        from tensorflow.core.profiler.protobuf import xplane_pb2
+    spaces = []
+    for path in sorted(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as trace:
+            space.ParseFromString(trace.read())
+        spaces.append(space)
+    return spaces
+
+
 def fresh_function(step, traced_graphs):
     """A new tf.function of `step`'s Python function with `step`'s options (XLA,
     AutoGraph, input signature) and none of its traces, which adds the graph of each
