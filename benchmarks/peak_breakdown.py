@@ -170,7 +170,8 @@ def _traced_function_step(bench, strategy, top):
     """The step as a tf.function, its third call traced by TensorFlow's profiler (a
     function's runs leave no RunMetadata): its allocations and deallocations, what the
     allocator held before it (`resident`: weights, inputs, and whatever the process
-    keeps), and what the gradients call built and predicted while it was traced."""
+    keeps; what of it the step frees is not taken off), and what the gradients call
+    built and predicted while it was traced (the op types: of the whole traced graph)."""
     import tempfile
 
     import tensorflow as tf
@@ -185,13 +186,15 @@ def _traced_function_step(bench, strategy, top):
     inputs = [tf.constant(value) for value in bench.inputs]
     for _ in range(2):  # (traced, then Grappler's and the allocator's first run done)
         step(*inputs)
+    device = measure.memory_device()
     with tempfile.TemporaryDirectory() as logdir:
+        traced["resident"] = tf.config.experimental.get_memory_info(device)["current"]
         tf.profiler.experimental.start(logdir)
         try:
             [g.numpy() for g in step(*inputs)[1] if g is not None]
         finally:
             tf.profiler.experimental.stop()
-        traced["events"], traced["resident"] = _profiled_allocations(logdir)
+        traced["events"] = _profiled_allocations(logdir)
     traced["op_types"] = {op.name: op.type for op in
                           step.get_concrete_function(*inputs).graph.get_operations()}
     return traced
@@ -210,11 +213,13 @@ def _built(graph, loss, variables, strategy, top):
 
 
 def _profiled_allocations(logdir):
-    """((time, bytes, op name) of every allocation (+) and deallocation (-) TensorFlow's
-    profiler recorded under `logdir`, the bytes the allocator held before the first):
-    an allocation's bytes are its chunk's (as the allocation records'), a deallocation
-    names the op whose chunk it frees. (Not memsave.calibration's memory profile, which
-    keeps at most 1000 allocations: a ViT's step makes thousands.)"""
+    """(time, bytes, op name) of every allocation (+) and deallocation (-) of the busiest
+    allocator (the device's, where the step's tensors live) that TensorFlow's profiler
+    recorded under `logdir`: an allocation's bytes are its chunk's (as the allocation
+    records'), a deallocation names the op whose chunk it frees, and at one moment a
+    deallocation comes first (its address may be allocated again then). (Not
+    memsave.calibration's memory profile, which keeps at most 1000 allocations: a ViT's
+    step makes thousands.)"""
     from memsave.graph import _tf_private
 
     events = []
@@ -228,15 +233,16 @@ def _profiled_allocations(logdir):
                     if kind in ("MemoryAllocation", "MemoryDeallocation"):
                         stats = {stat_names.get(stat.metadata_id): _stat_value(plane, stat)
                                  for stat in event.stats}
-                        events.append((line.timestamp_ns * 1000 + event.offset_ps, kind, stats))
-    events.sort(key=lambda event: event[0])
-    chunks, records, before = {}, [], None
-    for time_ps, kind, stats in events:
-        if before is None and kind == "MemoryAllocation":
-            before = int(stats.get("bytes_allocated") or 0) - int(
-                stats.get("allocation_bytes") or 0)
+                        events.append((line.timestamp_ns * 1000 + event.offset_ps,
+                                       kind == "MemoryAllocation", stats))
+    busiest = collections.Counter(stats.get("allocator_name") for _, _, stats in events)
+    chosen = busiest.most_common(1)[0][0] if busiest else None
+    events = sorted((e for e in events if e[2].get("allocator_name") == chosen),
+                    key=lambda event: event[:2])
+    chunks, records = {}, []
+    for time_ps, allocates, stats in events:
         address = stats.get("addr")
-        if kind == "MemoryAllocation":
+        if allocates:
             name = str(stats.get("tf_op") or "?")
             nbytes = int(stats.get("allocation_bytes") or 0)
             chunks[address] = (nbytes, name)
@@ -244,7 +250,7 @@ def _profiled_allocations(logdir):
         elif address in chunks:  # (freed in the step: made in it)
             nbytes, name = chunks.pop(address)
             records.append((time_ps, -nbytes, name))
-    return records, before or 0
+    return records
 
 
 def _stat_value(plane, stat):

@@ -403,11 +403,11 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped, ac
     gradient reads its kept output, so its copy never runs (here reading costs no
     memory, so the plan reads: a 1x1 convolution heads the loss, whose input gradient
     writes into no buffer the activation frees; under `h * h` it would, where the
-    activation is recomputed rather than kept). A batch norm's copy still runs where its third reserve
-    space is the mask of the ReLU Grappler fuses it with (opinfo.workspace_bytes: half a
-    byte per element with oneDNN), not where it is empty (read by a Tanh). The copies
-    that do run are the ones the memory model predicts (Segmentation.executed), and the
-    gradients are tf.gradients'."""
+    activation is recomputed rather than kept). A batch norm's copy still runs where its
+    third reserve space is the mask of the ReLU Grappler fuses it with
+    (opinfo.workspace_bytes: half a byte per element with oneDNN), not where it is empty
+    (read by a Tanh). The copies that do run are the ones the memory model predicts
+    (Segmentation.executed), and the gradients are tf.gradients'."""
     _models.reset_variables()
     graph = tf.Graph()
     with graph.as_default():

@@ -33,8 +33,8 @@ class GradientProbe:
       differentiated: indices of the op's inputs it returns a gradient for.
       temporaries: the most bytes its own intermediate tensors hold at once while it
         makes those gradients (its results not counted).
-      temporary_pieces: how many tensors hold those bytes at that moment (each is an
-        allocation of its own, placed where it fits).
+      temporary_pieces: about how many tensors hold those bytes at that moment (each an
+        allocation of its own, placed where it fits): as many as the largest fills.
     """
     reads: tuple
     differentiated: tuple
@@ -139,10 +139,11 @@ class _Buffers:
 
 
 def _temporaries(graph, results, placeholders, ones, unknown_dim_size):
-    """(bytes, how many tensors hold them): what the tensors `graph`'s ops make on the way
-    to `results` (what the executor runs; the rest is pruned), run in creation order, add
-    at most to the results, which the model counts as the gradients they are; the
-    placeholders (incoming gradients, captured forward tensors) not counted. As
+    """(bytes, about how many tensors hold them): the most bytes the tensors `graph`'s ops
+    make on the way to `results` (what the executor runs; the rest is pruned; run in
+    creation order) hold at once beyond the results, which the model counts as the
+    gradients they are; the placeholders (incoming gradients, captured forward tensors)
+    not counted. As
     TensorFlow runs them: an identity, or a product with a tensor of ones (which
     Grappler's constant folding turns into one), holds no buffer of its own, and an
     elementwise op writes into an input it is the last to read (the executor forwards

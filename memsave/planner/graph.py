@@ -348,7 +348,7 @@ class StepGraph:
             self._temporary_pieces[index] = (self.grad_temporaries[index], pieces)
 
     def temporary_pieces(self, op, nbytes):
-        """How many tensors hold `nbytes` of op `op`'s gradient temporaries: their count
+        """About how many tensors hold `nbytes` of op `op`'s gradient temporaries: their count
         where `nbytes` are the bytes they were counted for (a custom gradient's SiLU
         makes two input-sized tensors, not one buffer of twice the size: replayed as
         one, it took a chunk of its own, +15% to +25% over the measured 'memory' step of

@@ -206,8 +206,8 @@ class _Gradients:
         self._contribute(tid, self.graph.size[tid], step, None)
 
     def contribute(self, tid, nbytes, step, shares=None):
-        """Adds a contribution to the gradient of `tid`; returns the buffer it made (None
-        where it shares one)."""
+        """Adds a contribution to the gradient of `tid`; returns the contribution's own
+        buffer (None where it shares one), not the sum's that may be made with it."""
         return self._contribute(tid, nbytes, step, shares)
 
     def _contribute(self, tid, nbytes, step, shares):
@@ -513,7 +513,7 @@ class MemoryModel:
         what it reads and its temporaries are alive through them."""
         graph = self.graph
         step = timeline.step(label)
-        self._run_beside(step, timeline)
+        held_beside = self._run_beside(step, timeline)
         incoming = [gradients.consume(tid, step) for tid in graph.outputs[op]]
         reads = [buffers[tid] for tid in graph.grad_reads[op]]
         held = (buffers.held(op) if isinstance(buffers, _Overlay)
@@ -565,13 +565,18 @@ class MemoryModel:
             if into is not None and into[0] == tid:
                 shares = buffers[into[1]]
             made_here = gradients.contribute(tid, nbytes, step, shares)
-            if made_here is not None and self._elementwise_gradient(op):
-                self._written_into.append((step, made_here, reads + incoming))
+            if made_here is not None and self._elementwise_gradient(op, nbytes):
+                self._written_into.append((step, made_here, [
+                    b for b in reads + incoming if b is not None and b not in held_beside]))
 
-    def _elementwise_gradient(self, op):
-        """Whether op `op`'s gradient is made by elementwise kernels (not a custom one)."""
-        return (op not in self.graph.custom_gradient_ops
-                and self.graph.ops[op].type in opinfo.ELEMENTWISE_GRADIENTS)
+    def _elementwise_gradient(self, op, nbytes):
+        """Whether op `op`'s gradient makes a contribution of `nbytes` with an elementwise
+        kernel (not a custom gradient; of the op's output's size: a broadcast input's is
+        reduced by a Sum, which allocates)."""
+        graph = self.graph
+        return (op not in graph.custom_gradient_ops
+                and graph.ops[op].type in opinfo.ELEMENTWISE_GRADIENTS
+                and bool(graph.outputs[op]) and nbytes == graph.size[graph.outputs[op][0]])
 
     def _forward_gradients_into_dying(self, timeline):
         """An elementwise op's gradient writes each contribution it makes into the buffer
@@ -585,24 +590,28 @@ class MemoryModel:
         taken = set()
         for step, made, candidates in self._written_into:
             for buffer in candidates:
-                if (buffer is not None and buffer not in taken
+                if (buffer not in taken
                         and timeline.ends[buffer] == step and timeline.starts[buffer] < step
-                        and timeline.bytes[buffer] == timeline.bytes[made]
-                        and timeline.kinds[buffer] != "resident"):
+                        and timeline.bytes[buffer] == timeline.bytes[made]):
                     timeline.ends[buffer] = step - 1
                     taken.add(buffer)
                     break
 
     def _run_beside(self, step, timeline):
         """Gradient step `step` starts while the earlier ones that run beside it still
-        run: what they read and their temporaries are alive through it too."""
+        run: what they read and their temporaries are alive through it too. Returns
+        those buffers (still read by a step that runs on: none is this step's to write
+        into)."""
         if not self._running:  # (a chain, and every step on one thread)
-            return
+            return frozenset()
+        held = set()
         for entry in self._running:
             entry[0] -= 1
             for buffer in entry[1]:
                 timeline.use(buffer, step)
+                held.add(buffer)
         self._running = [entry for entry in self._running if entry[0] > 0]
+        return held
 
     def _made_last_through(self, op):
         """The contributions of op `op`'s gradient made last with a converted weight's

@@ -490,12 +490,14 @@ def _improved(search, plans, limit_bytes):
             yield ordered(other)
 
     def added_and_moved(plan):
-        kept = set(plan)
+        kept, seen = set(plan), set()
         for t in tensors:
             if t not in kept:
                 for other in moved(kept):
-                    if t not in other:
-                        yield ordered(other | {t})
+                    candidate = tuple(ordered(other | {t}))
+                    if t not in other and candidate not in seen:
+                        seen.add(candidate)
+                        yield list(candidate)
 
     def best_of(plans):
         return min((scored(p) + (p,) for p in plans if p), key=lambda f: f[0], default=None)
