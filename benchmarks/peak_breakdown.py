@@ -118,7 +118,6 @@ def measure_breakdown(model="cnn", strategy="memory", depth=None, batch=None, to
 
     from benchmarks.models import build_model
 
-    bench = None
     if function:
         bench = build_model(model, depth=depth, batch=batch, **(model_options or {}))
         traced = _traced_function_step(bench, strategy, top)
@@ -156,6 +155,7 @@ def _traced_session_step(bench, strategy, top):
     graph = tf.compat.v1.get_default_graph()
     loss = bench.loss(*[tf.constant(value) for value in bench.inputs])
     traced = _built(graph, loss, bench.variables, strategy, top)
+    traced["op_types"] = {op.name: op.type for op in graph.get_operations()}
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     metadata = tf.compat.v1.RunMetadata()
     with tf.compat.v1.Session(graph=graph) as session:
@@ -202,14 +202,13 @@ def _traced_function_step(bench, strategy, top):
 
 def _built(graph, loss, variables, strategy, top):
     """The gradients of `loss` by `strategy` in `graph`, the names of the forward pass's
-    ops (those there before) and of the ops making the gradients, the report, the
-    model's view of its own peak, and every op's type."""
+    ops (those there before) and of the ops making the gradients, the report, and the
+    model's view of its own peak."""
     forward_names = {op.name for op in graph.get_operations()}
     grads, report = _gradients(loss, variables, strategy)
     return {"grads": grads, "report": report, "forward_names": forward_names,
             "gradient_names": {_allocating_op(g.op).name for g in grads if g is not None},
-            "model_view": _model_view(loss, variables, report, strategy, top),
-            "op_types": {op.name: op.type for op in graph.get_operations()}}
+            "model_view": _model_view(loss, variables, report, strategy, top)}
 
 
 def _profiled_allocations(logdir):

@@ -86,15 +86,16 @@ class RewriteReport:
     in the order tf.gradients made them but an op's weight gradient before its input
     gradient, so that an executor running ops side by side holds what the memory model
     holds (the 'memory' strategy; not under XLA, nor where TensorFlow's own CPU
-    convolution gradients are already serialized). `loops` says, for each while_v2 loop on the path, what its
-    gradient keeps: recomputed (a copy runs in the backward pass and keeps only each
-    iteration's carry and inputs, memsave.graph.loops) or kept as TensorFlow builds it,
-    and why. `memory_calibration` says which peaks a budget compared with its limit:
-    None for the memory model's, else the measurement (memsave.calibrate_memory) and the
-    scale applied to the model's predictions; `measured_baseline_peak_bytes` is then
-    tf.gradients' measured peak, `calibrated_peak_bytes` this plan's predicted peak so
-    scaled (the measured one where plain tf.gradients answers), and
-    `unknown_dim_size_measured` whether `unknown_dim_size` came from the measurement.
+    convolution gradients are already serialized). `loops` says, for each while_v2 loop
+    on the path, what its gradient keeps: recomputed (a copy runs in the backward pass
+    and keeps only each iteration's carry and inputs, memsave.graph.loops) or kept as
+    TensorFlow builds it, and why. `memory_calibration` says which peaks a budget
+    compared with its limit: None for the memory model's, else the measurement
+    (memsave.calibrate_memory) and the scale applied to the model's predictions;
+    `measured_baseline_peak_bytes` is then tf.gradients' measured peak,
+    `calibrated_peak_bytes` this plan's predicted peak so scaled (the measured one where
+    plain tf.gradients answers), and `unknown_dim_size_measured` whether
+    `unknown_dim_size` came from the measurement.
     """
     strategy: str
     region_ops: int

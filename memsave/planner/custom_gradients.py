@@ -143,13 +143,13 @@ def _temporaries(graph, results, placeholders, ones, unknown_dim_size):
     make on the way to `results` (what the executor runs; the rest is pruned; run in
     creation order) hold at once beyond the results, which the model counts as the
     gradients they are; the placeholders (incoming gradients, captured forward tensors)
-    not counted. As
-    TensorFlow runs them: an identity, or a product with a tensor of ones (which
-    Grappler's constant folding turns into one), holds no buffer of its own, and an
-    elementwise op writes into an input it is the last to read (the executor forwards
-    that buffer to its output), a result too: SiLU's gradient makes its sigmoid and
-    `1 - sigmoid` and writes its result into one of them, so it adds one tensor to its
-    result, not two (the 'memory' step of a SiLU MLP measured that, AMD EPYC)."""
+    not counted. As TensorFlow runs them: an identity, or a product with a tensor of
+    ones (which Grappler's constant folding turns into one), holds no buffer of its
+    own, and an elementwise op writes into an input it is the last to read (the
+    executor forwards that buffer to its output), a result too: SiLU's gradient makes
+    its sigmoid and `1 - sigmoid` and writes its result into one of them, so it adds one
+    tensor to its result, not two (the 'memory' step of a SiLU MLP measured that, AMD
+    EPYC)."""
     needed, stack = set(), [r.op for r in results]
     while stack:
         op = stack.pop()

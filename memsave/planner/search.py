@@ -476,7 +476,7 @@ def _improved(search, plans, limit_bytes):
         return (1, prediction.peak_bytes, prediction.cost_flops), None
 
     def moved(kept):
-        for t in sorted(kept, key=lambda t: (producer[t], t)):
+        for t in ordered(kept):
             for step in (-2, -1, 1, 2) if t in position else ():
                 i = position[t] + step
                 if 0 <= i < len(tensors) and tensors[i] not in kept:
