@@ -372,7 +372,7 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
                                          for v in model.variables))}
     grad_fn, timings = _strategy_gradient_fn(strategy, model, offload)
     step = model.make_step(grad_fn, jit_compile=jit)
-    inputs = [tf.constant(array) for array in model.inputs]
+    inputs = [measure.device_input(array) for array in model.inputs]
     if strategy.startswith(CALIBRATED_BUDGET + ":"):
         import memsave
         start = time.perf_counter()

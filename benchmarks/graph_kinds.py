@@ -50,7 +50,7 @@ def measure_kind(kind, model="cnn", strategy="memory", model_options=None):
     if kind == "function":
         bench = build_model(model, **(model_options or {}))
         step = bench.make_step(grad_fn)
-        inputs = [tf.constant(value) for value in bench.inputs]
+        inputs = [measure.device_input(value) for value in bench.inputs]
         run = lambda: step(*inputs)  # noqa: E731
     else:
         graph = tf.Graph()

@@ -183,7 +183,7 @@ def _traced_function_step(bench, strategy, top):
         return traced["grads"]
 
     step = bench.make_step(grad_fn)
-    inputs = [tf.constant(value) for value in bench.inputs]
+    inputs = [measure.device_input(value) for value in bench.inputs]
     for _ in range(2):  # (traced, then Grappler's and the allocator's first run done)
         step(*inputs)
     device = measure.memory_device()

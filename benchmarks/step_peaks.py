@@ -39,7 +39,7 @@ def measure_steps(model="cnn", strategy="memory", steps=5, seed=0, model_options
     bench = build_model(model, seed=seed, **(model_options or {}))
     grad_fn, timings = compare._strategy_gradient_fn(strategy, bench)
     step = bench.make_step(grad_fn)
-    inputs = [tf.constant(array) for array in bench.inputs]
+    inputs = [measure.device_input(array) for array in bench.inputs]
     step.get_concrete_function(*inputs)
     report = None if strategy == compare.BASELINE else memsave.last_report()
     predicted = (timings.get("predicted_peak_bytes") if report is None

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import memsave
-from memsave.measure import peak_memory_bytes, reserve_one_region
+from memsave.measure import device_input, peak_memory_bytes, reserve_one_region
 
 
 _PREDICTED = {}
@@ -76,7 +76,7 @@ def chain(mode, n=100, residual=False, mark_every=10):
                 marks.append(h)
         return _gradient_fn(mode, marks)(tf.reduce_sum(h), [x])
 
-    x = tf.constant(np.random.RandomState(0).uniform(-1, 1, [512, 512]).astype(np.float32))
+    x = device_input(np.random.RandomState(0).uniform(-1, 1, [512, 512]).astype(np.float32))
     return _measure(step, x)
 
 
@@ -94,7 +94,7 @@ def deep_mlp(mode, layers=48, batch=4096, width=256, jit=False):
             h = tf.tanh(tf.matmul(h, w))
         return _gradient_fn(mode, [])(tf.reduce_mean(h * h), weights)
 
-    x = tf.constant(rng.standard_normal([batch, width]).astype(np.float32))
+    x = device_input(rng.standard_normal([batch, width]).astype(np.float32))
     return _measure(step, x)
 
 
@@ -115,7 +115,7 @@ def silu_mlp(mode, layers=24, batch=2048, width=256):
             h = tf.nn.silu(tf.matmul(h, w))
         return _gradient_fn(mode, [])(tf.reduce_mean(h * h), weights)
 
-    x = tf.constant(rng.standard_normal([batch, width]).astype(np.float32))
+    x = device_input(rng.standard_normal([batch, width]).astype(np.float32))
     return _measure(step, x)
 
 
@@ -160,7 +160,7 @@ def small_cnn(mode, blocks=12, batch=32, width=16, jit=False):
             h = tf.nn.relu(h + y)
         return _gradient_fn(mode, [])(tf.reduce_mean(h * h), weights)
 
-    images = tf.constant(rng.standard_normal([batch, 32, 32, 3]).astype(np.float32))
+    images = device_input(rng.standard_normal([batch, 32, 32, 3]).astype(np.float32))
     return _measure(step, images)
 
 
@@ -185,7 +185,7 @@ def layer_norm_mlp(mode, blocks=12, rows=4096, width=128, jit=False):
             h = h + tf.matmul(tf.nn.relu(tf.matmul(normed, w1)), w2)
         return _gradient_fn(mode, [])(tf.reduce_mean(h * h), weights)
 
-    x = tf.constant(rng.standard_normal([rows, width]).astype(np.float32))
+    x = device_input(rng.standard_normal([rows, width]).astype(np.float32))
     return _measure(step, x)
 
 
@@ -266,7 +266,7 @@ def lstm_stack(mode, layers=2, batch=32, steps=60, units=128, features=16):
     def step(x):
         return _gradient_fn(mode, [])(tf.reduce_mean(net(x) ** 2), weights)
 
-    x = tf.constant(np.random.RandomState(0).standard_normal([batch, steps, features])
+    x = device_input(np.random.RandomState(0).standard_normal([batch, steps, features])
                     .astype(np.float32))
     return _measure(step, x)
 
@@ -290,7 +290,7 @@ def grouped_conv_stack(mode, layers=3, batch=8, size=4, channels=256):
     def step(x):
         return _gradient_fn(mode, [])(tf.reduce_mean(net(x) ** 2), weights)
 
-    x = tf.constant(np.random.RandomState(0).standard_normal([batch, size, size, channels])
+    x = device_input(np.random.RandomState(0).standard_normal([batch, size, size, channels])
                     .astype(np.float32))
     return _measure(step, x)
 
@@ -324,7 +324,7 @@ def keras_gpt(mode, blocks=2, batch=8, seq_len=128, d_model=64, heads=4, vocab=4
         return [tf.convert_to_tensor(g) for g in _gradient_fn(mode, [])(loss, weights)]
 
     words = np.random.RandomState(0).randint(0, vocab, [batch, seq_len]).astype(np.int32)
-    return _measure(step, tf.constant(words), tf.constant(np.roll(words, -1, axis=1)))
+    return _measure(step, device_input(words), device_input(np.roll(words, -1, axis=1)))
 
 
 def scaled_attention(mode, layers=6, batch=8, heads=4, seq_len=128, d_model=64):
@@ -352,7 +352,7 @@ def scaled_attention(mode, layers=6, batch=8, heads=4, seq_len=128, d_model=64):
             h = h + tf.tanh(tf.einsum("btd,de->bte", context, wo))
         return _gradient_fn(mode, [])(tf.reduce_sum(h * h), weights)
 
-    x = tf.constant(rng.standard_normal([batch, seq_len, d_model]).astype(np.float32))
+    x = device_input(rng.standard_normal([batch, seq_len, d_model]).astype(np.float32))
     return _measure(step, x)
 
 
@@ -376,7 +376,7 @@ def nested_calls(mode, layers=24, batch=2048, width=256, read_outside=False):
                 marks.append(h)
         return _gradient_fn(mode, marks)(tf.reduce_sum(h * h), weights)
 
-    return _measure(step, tf.constant(rng.uniform(-1, 1, [batch, width]).astype(np.float32)))
+    return _measure(step, device_input(rng.uniform(-1, 1, [batch, width]).astype(np.float32)))
 
 
 def bfloat16_cnn(mode, blocks=6, batch=16, size=32, channels=16):
@@ -402,6 +402,6 @@ def bfloat16_cnn(mode, blocks=6, batch=16, size=32, channels=16):
     def step(x):
         return _gradient_fn(mode, [])(tf.reduce_mean(net(x, training=True) ** 2), weights)
 
-    x = tf.constant(np.random.RandomState(0).standard_normal([batch, size, size, channels])
+    x = device_input(np.random.RandomState(0).standard_normal([batch, size, size, channels])
                     .astype(np.float32))
     return _measure(step, x)

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import memsave
-from memsave.measure import peak_memory_bytes
+from memsave.measure import device_input, peak_memory_bytes
 
 
 def _gradients(mode, ys, xs):
@@ -61,7 +61,7 @@ def embedding(mode, table="variable", vocab=200_000, dim=64, batch=4096, depth=3
         @tf.function
         def step(params):
             return forward_and_gradient(params, params)
-        args = (tf.constant(values),)
+        args = (device_input(values),)
     else:
         raise ValueError(f"table must be 'variable' or 'tensor', not {table!r}")
 

@@ -176,19 +176,17 @@ def test_the_prediction_holds_on_each_model_family(case, mode):
     """Attention and embeddings (a small Keras GPT: its head's BiasAdd and cross-entropy
     write into their inputs' buffers), attention written by hand (the softmax products
     Grappler moves into the forward pass: 39.5 / 37.0 MiB for tf.gradients, 12.3-12.8 /
-    13.4 for 'memory'; 25.0 and 9.6 predicted without them), nested tf.function calls (what their gradients
-    keep of their runs), mixed bfloat16 (Keras' policy). AMD EPYC without AVX-512: GPT
+    13.4 for 'memory'; 25.0 and 9.6 predicted without them), nested tf.function calls
+    (what their gradients keep of their runs), mixed bfloat16 (Keras' policy). AMD EPYC without AVX-512: GPT
     40.9 / 38.9 MiB measured / predicted for tf.gradients (+27% before BiasAdd's buffer
     was known), 24.0 / 25.4 for 'memory'; the nested calls 110.2 / 114.0 (64.0, -42%,
     before their kept intermediates were), 40.2 / 41.0; bfloat16 70.2 / 75.5,
-    38.5 / 38.5. AMD EPYC with AVX-512 (oneDNN on, no im2col buffers): the bfloat16
-    'memory' step is 6.5-9.0 MiB, and where BFC places its few buffers moves its peak
-    by a third from process to process (6.5, 8.0, 8.0, 9.0 in four processes of one
-    plan, predicted 9.0): there only a prediction below the measurement (what breaks
-    a budget) is held to 15%."""
+    38.5 / 38.5. AMD EPYC with AVX-512 (oneDNN on): bfloat16 15.5-16.0 / 14.5 for
+    tf.gradients, 8.1-9.0 / 9.0 for 'memory' (6.5 in a process in four, +38%, while
+    the inputs were made by tf.constant, which sometimes keeps its copy of an array
+    outside the allocator: memsave.measure.device_input)."""
     got = measure(case, mode=mode)
-    over = 0.40 if (case, mode) == ("bfloat16_cnn", "memory") else PREDICTION_TOLERANCE
-    _assert_predicted(got, f"{case} with {mode}", over=over)
+    _assert_predicted(got, f"{case} with {mode}")
 
 
 def test_nested_calls_are_recomputed_and_the_step_holds_less():
