@@ -140,21 +140,32 @@ def _as_inference_call(attrs, outputs, name, count):
     return attrs, outputs[:count]
 
 
-def call_gradient_intermediates(op):
-    """(its own outputs, the outputs beyond them) of the forward function tf.gradients
-    rewrites tf.function call op `op` to call (the latter: what its backward function
-    reads), as tensors of that function, which TensorFlow builds and caches for the
-    gradient; None where `op` has no such gradient or has been rewritten already.
-    Nothing is added to `op`'s graph."""
+def call_gradient_graphs(op):
+    """(forward, backward): the graphs of the functions tf.gradients rewrites tf.function
+    call op `op` to call and calls for its gradient, which TensorFlow builds and caches
+    for that gradient; None where `op` has no such gradient or has been rewritten
+    already. The forward function's outputs are the call's own and then the
+    intermediates the backward function reads; the backward function's inputs are the
+    gradients of the call's outputs and then those intermediates. Nothing is added to
+    `op`'s graph."""
     delayed = getattr(op._gradient_function, "__self__", None)
     if not hasattr(delayed, "forward_backward") or _inference_call(op) is not None:
         return None
-    forward, _ = delayed.forward_backward(len(op.outputs))
-    graph = getattr(forward, "graph", None)
-    if graph is None:
+    forward, backward = delayed.forward_backward(len(op.outputs))
+    graphs = getattr(forward, "graph", None), getattr(backward, "graph", None)
+    return None if None in graphs else graphs
+
+
+def call_gradient_intermediates(op):
+    """(its own outputs, the outputs beyond them) of the forward function tf.gradients
+    rewrites tf.function call op `op` to call (the latter: what its backward function
+    reads), as tensors of that function; None where `op` has no such gradient
+    (call_gradient_graphs)."""
+    graphs = call_gradient_graphs(op)
+    if graphs is None:
         return None
     count = len(op.outputs)
-    return list(graph.outputs[:count]), list(graph.outputs[count:])
+    return list(graphs[0].outputs[:count]), list(graphs[0].outputs[count:])
 
 
 def function_definition(graph, name):

@@ -18,8 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from memsave.graph import _tf_private
-from memsave.planner import intervals, opinfo
-from memsave.region import estimated_bytes
+from memsave.planner import function_run
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +79,14 @@ def probe(op, wanted, unknown_dim_size=1):
     ones = {id(inner) for outer, inner in scratch.captures if _all_ones(outer)} | {
         id(t) for o in scratch.get_operations() if o.type == "Const" for t in o.outputs
         if _all_ones(t)}
-    temporaries, pieces = _temporaries(scratch, [r for r in results if r is not None],
-                                       placeholders, ones, unknown_dim_size)
+    peak = function_run.run(scratch, [r for r in results if r is not None], placeholders,
+                            ones, unknown_dim_size)
     return GradientProbe(
         # (a captured eager tensor, such as a variable's handle, is no tensor of the step)
         reads=tuple(outer for outer, _ in scratch.captures if isinstance(outer, tf.Tensor)
                     and not _tf_private.is_eager_tensor(outer)),
-        differentiated=differentiated, temporaries=temporaries, temporary_pieces=pieces)
+        differentiated=differentiated, temporaries=peak.temporaries,
+        temporary_pieces=peak.pieces)
 
 
 def _all_ones(t):
@@ -102,114 +102,3 @@ def _tensor_of(gradient):
     if isinstance(gradient, tf.IndexedSlices):
         return gradient.values
     return gradient if isinstance(gradient, tf.Tensor) else None
-
-
-class _Buffers:
-    """Buffers of a probed gradient's tensors: each lives from the op that makes it to
-    the last op reading a tensor held in it."""
-
-    def __init__(self):
-        self.of = {}  # id(tensor) -> buffer index
-        self.starts, self.ends, self.sizes = [], [], []
-
-    def new(self, t, step, nbytes):
-        self.of[id(t)] = len(self.sizes)
-        self.starts.append(step)
-        self.ends.append(step)
-        self.sizes.append(nbytes)
-
-    def share(self, t, source):
-        if id(source) in self.of:
-            self.of[id(t)] = self.of[id(source)]
-
-    def read(self, t, step):
-        index = self.of.get(id(t))
-        if index is not None:
-            self.ends[index] = max(self.ends[index], step)
-
-    def peak_besides(self, steps, results):
-        """(the most bytes alive at once less the bytes of buffers `results`, about how
-        many of the other buffers alive then hold them: as many as the largest fills)."""
-        nbytes, at = intervals.peak(self.starts, self.ends, self.sizes, steps)
-        nbytes = max(nbytes - sum(self.sizes[index] for index in results), 0)
-        largest = max((size for index, (start, end, size)
-                       in enumerate(zip(self.starts, self.ends, self.sizes))
-                       if start <= at <= end and index not in results), default=0)
-        return nbytes, max(round(nbytes / largest), 1) if largest else 1
-
-
-def _temporaries(graph, results, placeholders, ones, unknown_dim_size):
-    """(bytes, about how many tensors hold them): the most bytes the tensors `graph`'s ops
-    make on the way to `results` (what the executor runs; the rest is pruned; run in
-    creation order) hold at once beyond the results, which the model counts as the
-    gradients they are; the placeholders (incoming gradients, captured forward tensors)
-    not counted. As TensorFlow runs them: an identity, or a product with a tensor of
-    ones (which Grappler's constant folding turns into one), holds no buffer of its
-    own, and an elementwise op writes into an input it is the last to read (the
-    executor forwards that buffer to its output), a result too: SiLU's gradient makes
-    its sigmoid and `1 - sigmoid` and writes its result into one of them, so it adds one
-    tensor to its result, not two (the 'memory' step of a SiLU MLP measured that, AMD
-    EPYC)."""
-    needed, stack = set(), [r.op for r in results]
-    while stack:
-        op = stack.pop()
-        if op not in needed:
-            needed.add(op)
-            stack.extend(t.op for t in op.inputs)
-            stack.extend(op.control_inputs)
-    ordered = [op for op in graph.get_operations() if op in needed]
-    position = {op: i for i, op in enumerate(ordered)}
-    result_ids = {id(r) for r in results}
-
-    def last_reader(t):
-        return max((position[c] for c in t.consumers() if c in position), default=-1)
-
-    buffers, result_buffers = _Buffers(), set()
-    for step, op in enumerate(ordered):
-        for t in op.inputs:
-            buffers.read(t, step)
-        for t in op.outputs:
-            if id(t) in placeholders:
-                continue
-            source = _shared_input(op, t, ones)
-            if source is not None:
-                buffers.share(t, source)
-            else:
-                dying = _forwardable_input(op, t, step, buffers)
-                if dying is not None:
-                    buffers.share(t, dying)
-                else:
-                    buffers.new(t, step, estimated_bytes(t, unknown_dim_size))
-            if id(t) in result_ids and id(t) in buffers.of:
-                result_buffers.add(buffers.of[id(t)])
-                buffers.read(t, len(ordered))  # (alive after: the gradient it is)
-            else:
-                buffers.read(t, max(step, last_reader(t)))
-    return buffers.peak_besides(len(ordered), result_buffers)
-
-
-def _shared_input(op, t, ones):
-    """The input whose buffer output `t` of `op` is: an identity's, or the other factor of
-    a product with a tensor of ones of no larger shape (Grappler folds it away)."""
-    if op.type in opinfo.ALIAS_OP_TYPES and op.inputs:
-        return op.inputs[0]
-    if op.type == "Mul" and len(op.inputs) == 2:
-        a, b = op.inputs
-        for factor, other in ((a, b), (b, a)):
-            if id(factor) in ones and other.shape == t.shape:
-                return other
-    return None
-
-
-def _forwardable_input(op, t, step, buffers):
-    """An input of an elementwise `op` (run at `step`) that holds a buffer of its own,
-    has `t`'s shape and type, and whose buffer nothing reads after `op`: that buffer
-    becomes `t`'s."""
-    if op.type in opinfo.HEAVY_OP_TYPES or not t.shape.is_fully_defined():
-        return None
-    for x in op.inputs:
-        index = buffers.of.get(id(x))
-        if (index is not None and x.dtype == t.dtype and x.shape == t.shape
-                and buffers.ends[index] <= step):
-            return x
-    return None

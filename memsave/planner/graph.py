@@ -87,6 +87,9 @@ class StepGraph:
       held: op id -> bytes its gradient keeps of its forward run that no tensor of the
         graph shows, from the op (or its recomputed copy) to its gradient: a
         tf.function call's intermediates (memsave.planner.call_gradients).
+      call_runs: op id -> the memsave.planner.call_gradients.BackwardRun of a tf.function
+        call's backward function: what of what it reads it has freed by its peak, and
+        its temporaries then (in grad_temporaries).
       folded: op id -> bytes of the product Grappler's constant folding makes of its
         output in the forward pass, held to its gradient (`_link_folded_products`).
       pieces: tensor id -> how many allocations of equal size its bytes are, where more
@@ -140,6 +143,7 @@ class StepGraph:
         self.workspaces = set()
         self.custom_gradient_ops = set()
         self.held = {}
+        self.call_runs = {}
         self.folded = {}
         self.pieces = {}
         self.largest_bytes = 0
@@ -339,6 +343,7 @@ class StepGraph:
         for index in range(len(self.ops)):
             if index not in active:
                 self.held.pop(index, None)
+                self.call_runs.pop(index, None)
                 self.grad_reads[index], self.grad_inputs[index] = [], []
                 self.grad_temporaries[index] = 0
                 self.rewrite_grad_temporaries.pop(index, None)
@@ -422,11 +427,18 @@ class StepGraph:
                 op.type, [self.size[t] for t in ins], self.size[outs[0]], differentiated)
             self.grad_temporaries[index] = temporaries
             self._set_temporary_pieces(index, pieces)
-        if self.xla_cpu:
-            self.grad_temporaries[index] += xla_buffers.gradient_temporary_bytes(op)
         held = call_gradients.held_bytes(op, self.unknown_dim_size) if differentiated else 0
         if held:
             self.held[index] = held
+        run = (call_gradients.backward_run(op, self.unknown_dim_size)
+               if differentiated and len(ins) == len(op.inputs)
+               and len(outs) == len(op.outputs) else None)
+        if run is not None:
+            self.call_runs[index] = run
+            self.grad_temporaries[index] += run.temporaries
+            self._set_temporary_pieces(index, run.temporary_pieces)
+        if self.xla_cpu:
+            self.grad_temporaries[index] += xla_buffers.gradient_temporary_bytes(op)
         if self.conv_threads:
             for_filter, for_input = opinfo.conv_gradient_workspace(
                 op, differentiated, self.conv_threads)

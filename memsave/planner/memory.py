@@ -134,6 +134,17 @@ class _ForwardPass:
     folded_buffers: dict
 
 
+def _released_buffer(graph, op, origin, buffers, incoming, held):
+    """The buffer of what call op `op`'s backward function reads, named as in
+    BackwardRun.released (None where the step has none)."""
+    kind, index = origin
+    if kind == "incoming":
+        return incoming[index] if index < len(incoming) else None
+    if kind == "output":
+        return buffers[graph.outputs[op][index]]
+    return held
+
+
 class _Timeline:
     """Steps and buffers; the peak is found with one difference-array pass."""
 
@@ -384,6 +395,7 @@ class MemoryModel:
         self._segment_of = {} if segmentation is None else segmentation.segment_of
         self._running = []  # [steps left, buffers] of gradient steps still running
         self._written_into = []
+        self._released = []  # (step, buffers a call's backward function frees early)
         if self._rewriting:
             # The rewrite differentiates these loops' recomputing copies: the loops
             # themselves keep nothing for the backward pass.
@@ -413,6 +425,7 @@ class MemoryModel:
         else:
             recompute, back, deferred = self._segments(
                 segmentation, forward, gradients, timeline, offloaded, prefetch, ahead)
+        self._free_released(timeline)
         self._forward_gradients_into_dying(timeline)
         out_bytes = sum(graph.size[t] for t in offloaded)
         back_bytes = sum(graph.size[t] for t in back)
@@ -527,6 +540,11 @@ class MemoryModel:
             reads.append(folded)
         for buffer in reads:
             timeline.use(buffer, step)
+        run = graph.call_runs.get(op)
+        if run is not None:
+            self._released.append((step, [_released_buffer(graph, op, origin, buffers,
+                                                           incoming, held)
+                                          for origin in run.released]))
         temporaries = graph.grad_temporaries[op]
         if op in self._loop_buffers:
             timeline.use(self._loop_buffers[op], step)
@@ -565,7 +583,8 @@ class MemoryModel:
             if into is not None and into[0] == tid:
                 shares = buffers[into[1]]
             made_here = gradients.contribute(tid, nbytes, step, shares)
-            if made_here is not None and self._elementwise_gradient(op, nbytes):
+            if made_here is not None and (self._elementwise_gradient(op, nbytes)
+                                          or self._written_by_call(op, tid)):
                 self._written_into.append((step, made_here, [
                     b for b in reads + incoming if b is not None and b not in held_beside]))
 
@@ -577,6 +596,26 @@ class MemoryModel:
         return (op not in graph.custom_gradient_ops
                 and graph.ops[op].type in opinfo.ELEMENTWISE_GRADIENTS
                 and bool(graph.outputs[op]) and nbytes == graph.size[graph.outputs[op][0]])
+
+    def _free_released(self, timeline):
+        """What a tf.function call's backward function reads for the last time before
+        its peak (memsave.planner.call_gradients.BackwardRun) is freed by then where
+        nothing reads it later: it ends the step before. Done once every step is
+        simulated, when each buffer's last reader is known; before contributions are
+        written into dying buffers (a buffer freed here is none of those)."""
+        for step, released in self._released:
+            for buffer in released:
+                if (buffer is not None and timeline.ends[buffer] == step
+                        and timeline.starts[buffer] < step):
+                    timeline.ends[buffer] = step - 1
+
+    def _written_by_call(self, op, tid):
+        """Whether call op `op`'s backward function writes the gradient of its input
+        `tid` into a buffer it reads for the last time (BackwardRun.written_into)."""
+        run = self.graph.call_runs.get(op)
+        inputs = self.graph.inputs[op]
+        return run is not None and any(inputs[i] == tid for i in run.written_into
+                                       if i < len(inputs))
 
     def _forward_gradients_into_dying(self, timeline):
         """An elementwise op's gradient writes each contribution it makes into the buffer
