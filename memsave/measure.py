@@ -209,6 +209,11 @@ def device_description():
     return f"CPU: {model}, {os.cpu_count()} cores{vector}, {kernels}"
 
 
+# The dtypes DecodeRaw reads (tensorflow/core/kernels/decode_raw_op.cc).
+_RAW_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+               "uint8", "uint16", "complex64", "complex128", "bool")
+
+
 def device_input(value):
     """A step's input `value` (a NumPy array) as a tensor in memory the measured
     device's allocator gave.
@@ -217,18 +222,25 @@ def device_input(value):
     sees it (TensorFlow 2.21 on CPU: a 1 MiB array was in BFC after 4 conversions of
     6, at random), so a measured peak would count the inputs in some processes and not
     in others: 6.5 against 8.0-9.0 MiB for one plan of a small bfloat16 CNN. Decoded
-    from bytes on the CPU, or copied onto the GPU, it always is.
+    from its bytes on the CPU, or copied onto the GPU, it always is (on a GPU, an
+    integer tensor stays in host memory, as TensorFlow keeps int32 there). A dtype
+    DecodeRaw does not read (a string, uint32) is converted as tf.constant does.
     """
     import numpy as np
     import tensorflow as tf
-    value = np.ascontiguousarray(value)
+    value = np.asarray(value, order="C")  # (a 0-d array stays one)
     device = _device_for_memory()
     if "GPU" in device:
         with tf.device(device):
             return tf.identity(value)
-    if value.dtype.kind not in "fiuc":  # (what DecodeRaw reads; a bool or string as is)
+    try:
+        dtype = tf.as_dtype(value.dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in _RAW_DTYPES:
         return tf.constant(value)
-    raw = tf.io.decode_raw(tf.constant(value.tobytes()), tf.as_dtype(value.dtype))
+    native = value.astype(value.dtype.newbyteorder("="), copy=False)  # (DecodeRaw: host order)
+    raw = tf.io.decode_raw(tf.constant(native.tobytes()), dtype)
     return tf.reshape(raw, value.shape)
 
 

@@ -407,3 +407,19 @@ def bfloat16_cnn(mode, blocks=12, batch=32, size=32, channels=16):
     x = device_input(np.random.RandomState(0).standard_normal([batch, size, size, channels])
                     .astype(np.float32))
     return _measure(step, x)
+
+
+def inputs_held(nbytes, conversions=6):
+    """What TensorFlow's CPU BFC allocator holds, in a fresh process, after each of
+    `conversions` NumPy arrays of `nbytes` is made a step's input by device_input."""
+    import gc
+
+    held = []
+    for seed in range(conversions):
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        x = device_input(np.random.RandomState(seed).standard_normal(nbytes // 4)
+                         .astype(np.float32))
+        held.append(tf.config.experimental.get_memory_info("CPU:0")["current"] - before)
+        del x
+        gc.collect()
+    return {"held": held}

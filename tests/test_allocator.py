@@ -1,6 +1,8 @@
 """The BFC allocator replay (memsave.planner.allocator): hand-computed chunk
 sizes, TensorFlow's own allocator on one tensor, and the model's use of it."""
 
+import numpy as np
+import pytest
 import tensorflow as tf
 
 from memsave import planner
@@ -102,6 +104,31 @@ def test_tensorflows_cpu_allocator_holds_what_the_replay_says():
     assert result["simulated"] == 4 * MiB
     # (TensorFlow also holds a 256 B chunk for the fill's shape argument, freed later.)
     assert result["measured"] in (4 * MiB, 4 * MiB + 256), result
+
+
+def test_a_steps_inputs_are_in_the_allocators_memory():
+    """memsave.measure.device_input: every input the tests and benchmarks measure a step
+    with is held by the allocator whose peak they read (tf.constant of a NumPy array
+    kept its copy outside it in about one conversion in three)."""
+    result = run_isolated("_memory_cases:inputs_held", env={"PYTHONPATH": "tests"},
+                          nbytes=MiB)
+    assert result["held"] == [MiB] * 6, result
+
+
+@pytest.mark.parametrize("value", [
+    np.float64(2.5) * np.ones(()),                              # 0-d
+    np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2],      # not contiguous
+    np.arange(6, dtype=">f4").reshape(3, 2),                    # big-endian
+    np.arange(6, dtype=np.int32), np.array([True, False]),
+    np.arange(6, dtype=np.uint32),                              # (no DecodeRaw dtype)
+], ids=["0-d", "strided", "big-endian", "int32", "bool", "uint32"])
+def test_a_device_input_has_the_arrays_values_shape_and_dtype(value):
+    from memsave.measure import device_input
+
+    got = device_input(value)
+    assert got.shape == value.shape
+    assert got.dtype.as_numpy_dtype == value.dtype.newbyteorder("=")
+    np.testing.assert_array_equal(got.numpy(), value)
 
 
 def _tanh_chain_graph(n=12):

@@ -388,7 +388,8 @@ def test_a_calls_backward_function_frees_what_it_reads_last_before_its_peak(
         h = tf.compat.v1.placeholder(tf.float64, [32, 16])
         w = tf.Variable(W_VALUES[0])
         b = tf.Variable(np.zeros(16))
-        run = call_gradients.backward_run(layer(h, w, b).op)
+        call = layer(h, w, b).op
+        run = call_gradients.backward_run(call, [0, 1, 2])
     assert run is not None
     assert list(run.released) == released
     assert run.temporaries == temporaries * 32 * 16 * 8
@@ -406,12 +407,12 @@ def test_the_model_frees_a_calls_incoming_gradient_before_its_backward_peak():
     with tf.Graph().as_default():
         weights = [tf.compat.v1.placeholder(tf.float64, [16, 16]) for _ in range(4)]
         bias = tf.compat.v1.placeholder(tf.float64, [16])
-        h = tf.compat.v1.placeholder(tf.float64, [32, 16])
+        x = h = tf.compat.v1.placeholder(tf.float64, [32, 16])
         outputs = []
         for w in weights:
             h = layer(h, w, bias)
             outputs.append(h)
-        model = planner.model_of(ForwardRegion.build([tf.reduce_sum(h * h)], weights))
+        model = planner.model_of(ForwardRegion.build([tf.reduce_sum(h * h)], [x] + weights))
         model.baseline()
         _, timeline, _ = model._last
         graph = model.graph
@@ -423,3 +424,25 @@ def test_the_model_frees_a_calls_incoming_gradient_before_its_backward_peak():
             step = timeline.labels.index(("backward", call, None))
             assert timeline.ends[gradient[0]] == step - 1, (
                 timeline.labels[timeline.ends[gradient[0]]], step)
+
+
+def test_held_intermediates_are_freed_only_all_together():
+    """The intermediates held for a call's gradient are one buffer in the model: freed
+    before the gradient's peak only where every one of them is (here the sine and the
+    second product are read first, the ReLU's output, the largest, by ReluGrad last)."""
+    from memsave.planner import call_gradients
+
+    @tf.function(autograph=False)
+    def body(x, w1, w2, w3):
+        return tf.matmul(tf.sin(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)), w3)
+
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float64, [64, 8])
+        weights = [tf.compat.v1.placeholder(tf.float64, shape)
+                   for shape in ([8, 256], [256, 4], [4, 4])]
+        call = body(x, *weights).op
+        run = call_gradients.backward_run(call, [0, 1, 2, 3])
+        held = call_gradients.held_bytes(call)
+    assert held >= 64 * 256 * 8  # (the ReLU's output among them)
+    assert run is not None and ("held", 0) not in run.released, run
+    assert ("incoming", 0) in run.released, run

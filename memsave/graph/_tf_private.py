@@ -146,14 +146,23 @@ def call_gradient_graphs(op):
     for that gradient; None where `op` has no such gradient or has been rewritten
     already. The forward function's outputs are the call's own and then the
     intermediates the backward function reads; the backward function's inputs are the
-    gradients of the call's outputs and then those intermediates. Nothing is added to
-    `op`'s graph."""
+    gradients of the call's trainable outputs and then its captures (`.captures`:
+    those intermediates, as tensors of the forward function, and whatever else it
+    captured). Nothing is added to `op`'s graph."""
     delayed = getattr(op._gradient_function, "__self__", None)
     if not hasattr(delayed, "forward_backward") or _inference_call(op) is not None:
         return None
     forward, backward = delayed.forward_backward(len(op.outputs))
     graphs = getattr(forward, "graph", None), getattr(backward, "graph", None)
     return None if None in graphs else graphs
+
+
+def is_trainable(t):
+    """Whether TensorFlow gives tensor `t` a gradient (backprop_util.IsTrainable: a
+    floating, complex, resource or variant tensor): a call's backward function takes
+    the gradients of its trainable outputs only."""
+    from tensorflow.python.eager import backprop_util
+    return backprop_util.IsTrainable(t)
 
 
 def call_gradient_intermediates(op):

@@ -17,6 +17,8 @@ TensorFlow inlines it, and each of its tensors is freed after its last reader in
 import dataclasses
 import logging
 
+import tensorflow as tf
+
 from memsave.graph import _tf_private, calls
 from memsave.planner import function_run, opinfo
 from memsave.region import estimated_bytes
@@ -72,25 +74,32 @@ class BackwardRun:
     """What the backward function of a tf.function call holds at its own peak, run
     inlined as TensorFlow runs it (memsave.planner.function_run).
 
+    The tensors of the step it reads are named ("incoming", i): the gradient of the
+    call's output i; ("output", i): the call's output i (an intermediate in its
+    buffer); ("held", 0): the intermediates held for it (held_bytes). Where the step
+    reads one for the last time in this gradient, the replay frees it after its last
+    reader inside and lets an elementwise op write into it.
+
     Attributes:
-      released: the tensors of the step it reads whose buffers it has freed by then,
-        sorted, each ("incoming", i): the gradient of the call's output i;
-        ("output", i): the call's output i (an intermediate in its buffer);
-        ("held", 0): the intermediates held for it (held_bytes). Where the step reads
-        them for the last time in this gradient, they are free by then.
+      released: those whose buffers are free by then, sorted (every intermediate of
+        ("held", 0)).
       temporaries: bytes of the tensors it makes in buffers of their own that are
         alive then, besides the gradients it returns.
       temporary_pieces: about how many tensors hold those bytes.
       written_into: indices of the call's inputs whose gradients it writes into the
-        buffer of one of those tensors it reads for the last time.
+        buffer of one of those tensors.
+      temporaries_in_reads: (name, bytes) of the tensors it makes in those buffers that
+        are alive then: where the step reads that buffer later, they need one of
+        their own.
     """
     released: tuple
     temporaries: int
     temporary_pieces: int = 1
     written_into: tuple = ()
+    temporaries_in_reads: tuple = ()
 
 
-def backward_run(op, unknown_dim_size=1):
+def backward_run(op, wanted, unknown_dim_size=1):
     """What the backward function of call op `op` holds at its own peak.
 
     24 calls of `tanh(h @ w + b)` on [2048, 256] under 'memory' (AMD EPYC with AVX-512):
@@ -100,6 +109,8 @@ def backward_run(op, unknown_dim_size=1):
 
     Args:
       op: any op.
+      wanted: indices of the inputs whose gradients the step uses (TensorFlow prunes
+        the ops of the others once the function is inlined).
       unknown_dim_size: the size assumed for unknown dimensions.
     Returns:
       A BackwardRun, or None for an op that is no tf.function call or whose backward
@@ -117,42 +128,54 @@ def backward_run(op, unknown_dim_size=1):
         return None
     forward, backward = graphs
     origins = _input_origins(op, forward, backward)
-    if origins is None:
+    per_input = backward.structured_outputs  # (an input's gradient or None, in order)
+    if (origins is None or not isinstance(per_input, (list, tuple))
+            or len(per_input) != len(op.inputs)):
         return None
     # (Only what the step reads for the last time here can be freed or written into;
     # a call's input is read again by the gradient of the op that made it.)
     owned = {id(t): estimated_bytes(t, unknown_dim_size)
              for t, origin in zip(backward.inputs, origins)
              if origin is not None and origin[0] != "input"}
-    results = [t for t in backward.outputs if t is not None]
+    results = [per_input[i] for i in wanted if isinstance(per_input[i], tf.Tensor)]
     peak = function_run.run(backward, results, {id(t) for t in backward.inputs}, set(),
                             unknown_dim_size, owned)
-    released = sorted({origin for t, origin in zip(backward.inputs, origins)
-                       if id(t) in peak.released})
-    per_input = backward.structured_outputs  # (an input's gradient or None, in order)
-    written_into = (tuple(i for i, t in enumerate(per_input)
-                          if t is not None and id(t) in peak.results_in_inputs)
-                    if isinstance(per_input, (list, tuple)) and len(per_input) == len(op.inputs)
-                    else ())
-    return BackwardRun(tuple(released), peak.temporaries, peak.pieces, written_into)
+    by_origin = {}
+    for t, origin in zip(backward.inputs, origins):
+        if id(t) in owned:
+            by_origin.setdefault(origin, []).append(id(t))
+    in_reads = dict(peak.in_inputs)
+    return BackwardRun(
+        released=tuple(sorted(origin for origin, ids in by_origin.items()
+                              if all(i in peak.released for i in ids))),
+        temporaries=peak.temporaries, temporary_pieces=peak.pieces,
+        written_into=tuple(i for i in wanted if id(per_input[i]) in peak.results_in_inputs),
+        temporaries_in_reads=tuple(sorted(
+            (origin, sum(in_reads.get(i, 0) for i in ids)) for origin, ids in by_origin.items()
+            if any(i in in_reads for i in ids))))
 
 
 def _input_origins(op, forward, backward):
     """Per input of the backward function, the tensor of the step whose buffer it reads:
     ("incoming", i), ("output", i), ("input", i) (the call's input i) or ("held", 0) as
-    in BackwardRun.released, or None for what the step holds throughout (a weight, a
-    constant, a capture). None where the inputs are not laid out as
-    _tf_private.call_gradient_graphs says."""
-    count = len(op.outputs)
-    own, intermediates = forward.outputs[:count], forward.outputs[count:]
-    if len(backward.inputs) < count + len(intermediates):
+    in BackwardRun, or None for what the step holds throughout (a weight, a constant,
+    a capture of a tensor of no forward function). Its inputs are the gradients of the
+    call's trainable outputs, in order, then its captures; None where they are not."""
+    trainable = [i for i, t in enumerate(op.outputs) if _tf_private.is_trainable(t)]
+    captured = {id(inner): outer for outer, inner in backward.captures}
+    if len(backward.inputs) != len(trainable) + len(captured):
         return None
-    returned = {_buffer_owner(t).ref(): i for i, t in enumerate(own)}
+    returned = {_buffer_owner(t).ref(): i for i, t in enumerate(forward.outputs[:len(op.outputs)])}
     arguments = {t.ref(): i for i, t in enumerate(forward.inputs[:len(op.inputs)])}
-    origins = [("incoming", i) for i in range(count)]
-    for t in intermediates:
-        owner = _buffer_owner(t)
-        if owner.ref() in returned:
+    origins = [("incoming", i) for i in trainable]
+    for t in backward.inputs[len(trainable):]:
+        outer = captured.get(id(t))
+        if outer is None:
+            return None
+        owner = _buffer_owner(outer) if outer.graph is forward else None
+        if owner is None:
+            origins.append(None)
+        elif owner.ref() in returned:
             origins.append(("output", returned[owner.ref()]))
         elif owner.ref() in arguments:
             origins.append(("input", arguments[owner.ref()]))
@@ -160,4 +183,4 @@ def _input_origins(op, forward, backward):
             origins.append(None)
         else:
             origins.append(("held", 0))
-    return origins + [None] * (len(backward.inputs) - len(origins))
+    return origins

@@ -31,11 +31,14 @@ class Peak:
       released: ids of the owned inputs whose buffers are free by then (read for the
         last time before it, and not written into since).
       results_in_inputs: ids of the results written into an owned input's buffer.
+      in_inputs: (id of an owned input, bytes) of each owned input's buffer that holds
+        one of those tensors instead of its value then (besides `temporaries`).
     """
     temporaries: int
     pieces: int
     released: frozenset = frozenset()
     results_in_inputs: frozenset = frozenset()
+    in_inputs: tuple = ()
 
 
 class _Buffers:
@@ -94,7 +97,7 @@ def run(graph, results, given, ones, unknown_dim_size, owned=None):
     def last_reader(t):
         return max((position[c] for c in t.consumers() if c in position), default=-1)
 
-    buffers, inputs, results_in = _Buffers(), {}, {}
+    buffers, inputs, results_in, taken_at = _Buffers(), {}, {}, {}
     for op in ordered:  # (alive from the start: they exist before the ops run)
         for t in op.outputs:
             if id(t) in owned:
@@ -114,6 +117,7 @@ def run(graph, results, given, ones, unknown_dim_size, owned=None):
                 dying = _forwardable_input(op, t, step, buffers)
                 if dying is not None:
                     buffers.share(t, dying)
+                    taken_at.setdefault(buffers.of[id(dying)], step)
                 else:
                     buffers.new(t, step, estimated_bytes(t, unknown_dim_size))
             if id(t) in result_ids and id(t) in buffers.of:
@@ -121,14 +125,14 @@ def run(graph, results, given, ones, unknown_dim_size, owned=None):
                 buffers.read(t, len(ordered))  # (alive after: the gradient it is)
             else:
                 buffers.read(t, max(step, last_reader(t)))
-    return _peak(buffers, len(ordered), results_in, inputs)
+    return _peak(buffers, len(ordered), results_in, inputs, taken_at)
 
 
-def _peak(buffers, steps, results, inputs):
+def _peak(buffers, steps, results, inputs, taken_at):
     """The Peak of `buffers` over `steps` steps, besides the buffers of `results` and of
-    owned inputs (each: buffer -> the tensor's id). The step counts every result as
-    made at once, so what is alive at the peak is less all of them (a result made after
-    the peak too)."""
+    owned inputs (each: buffer -> the tensor's id; `taken_at`: buffer -> the step an
+    op first wrote into it). The step counts every result as made at once, so what is
+    alive at the peak is less all of them (a result made after the peak too)."""
     if not steps:
         return Peak(0, 1)
     nbytes, at = intervals.peak(buffers.starts, buffers.ends, buffers.sizes, steps)
@@ -141,7 +145,10 @@ def _peak(buffers, steps, results, inputs):
         temporaries, max(round(temporaries / largest), 1) if largest else 1,
         released=frozenset(name for index, name in inputs.items() if index not in alive),
         results_in_inputs=frozenset(name for index, name in results.items()
-                                    if index in inputs))
+                                    if index in inputs),
+        in_inputs=tuple((name, buffers.sizes[index]) for index, name in inputs.items()
+                        if index in alive and index not in results
+                        and taken_at.get(index, steps) <= at))
 
 
 def _shared_input(op, t, ones):

@@ -430,7 +430,7 @@ class StepGraph:
         held = call_gradients.held_bytes(op, self.unknown_dim_size) if differentiated else 0
         if held:
             self.held[index] = held
-        run = (call_gradients.backward_run(op, self.unknown_dim_size)
+        run = (call_gradients.backward_run(op, differentiated, self.unknown_dim_size)
                if differentiated and len(ins) == len(op.inputs)
                and len(outs) == len(op.outputs) else None)
         if run is not None:

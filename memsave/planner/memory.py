@@ -395,7 +395,9 @@ class MemoryModel:
         self._segment_of = {} if segmentation is None else segmentation.segment_of
         self._running = []  # [steps left, buffers] of gradient steps still running
         self._written_into = []
-        self._released = []  # (step, buffers a call's backward function frees early)
+        # (step, buffers a call's backward function frees early, (a buffer it writes a
+        # temporary into, the buffer that temporary needs where that one lives on))
+        self._call_runs = []
         if self._rewriting:
             # The rewrite differentiates these loops' recomputing copies: the loops
             # themselves keep nothing for the backward pass.
@@ -425,7 +427,7 @@ class MemoryModel:
         else:
             recompute, back, deferred = self._segments(
                 segmentation, forward, gradients, timeline, offloaded, prefetch, ahead)
-        self._free_released(timeline)
+        self._settle_call_runs(timeline)
         self._forward_gradients_into_dying(timeline)
         out_bytes = sum(graph.size[t] for t in offloaded)
         back_bytes = sum(graph.size[t] for t in back)
@@ -542,9 +544,11 @@ class MemoryModel:
             timeline.use(buffer, step)
         run = graph.call_runs.get(op)
         if run is not None:
-            self._released.append((step, [_released_buffer(graph, op, origin, buffers,
-                                                           incoming, held)
-                                          for origin in run.released]))
+            def buffer_of(origin):
+                return _released_buffer(graph, op, origin, buffers, incoming, held)
+            self._call_runs.append((step, [buffer_of(origin) for origin in run.released], [
+                (buffer_of(origin), timeline.buffer(step, nbytes, "gradients", -(op + 1)))
+                for origin, nbytes in run.temporaries_in_reads]))
         temporaries = graph.grad_temporaries[op]
         if op in self._loop_buffers:
             timeline.use(self._loop_buffers[op], step)
@@ -597,17 +601,24 @@ class MemoryModel:
                 and graph.ops[op].type in opinfo.ELEMENTWISE_GRADIENTS
                 and bool(graph.outputs[op]) and nbytes == graph.size[graph.outputs[op][0]])
 
-    def _free_released(self, timeline):
+    def _settle_call_runs(self, timeline):
         """What a tf.function call's backward function reads for the last time before
         its peak (memsave.planner.call_gradients.BackwardRun) is freed by then where
-        nothing reads it later: it ends the step before. Done once every step is
-        simulated, when each buffer's last reader is known; before contributions are
-        written into dying buffers (a buffer freed here is none of those)."""
-        for step, released in self._released:
+        nothing reads it later: it ends the step before; a temporary it writes into such
+        a buffer needs none of its own there. Done once every step is simulated, when
+        each buffer's last reader is known; before contributions are written into dying
+        buffers (a buffer freed here is none of those)."""
+        def dies_at(buffer, step):
+            return (buffer is not None and timeline.ends[buffer] == step
+                    and timeline.starts[buffer] < step)
+
+        for step, released, written in self._call_runs:
             for buffer in released:
-                if (buffer is not None and timeline.ends[buffer] == step
-                        and timeline.starts[buffer] < step):
+                if dies_at(buffer, step):
                     timeline.ends[buffer] = step - 1
+            for buffer, own in written:
+                if dies_at(buffer, step):
+                    timeline.bytes[own] = 0
 
     def _written_by_call(self, op, tid):
         """Whether call op `op`'s backward function writes the gradient of its input
