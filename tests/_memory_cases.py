@@ -201,8 +201,8 @@ def trunk_and_wide_head(mode, defer=True, batch=16, blocks=6, head=3, width=1024
     seeds = iter(range(1000))
 
     def normal(shape, scale=1.0):
-        # Made by TensorFlow, so the allocator holds it: a tensor made from a numpy
-        # array may share the array's memory, uncounted, depending on its alignment.
+        # Made by TensorFlow, so the allocator holds it (as device_input's inputs: a
+        # tensor converted from a NumPy array is sometimes kept outside it).
         return tf.random.stateless_normal(shape, [next(seeds), 0]) * scale
 
     def variable(shape, scale):

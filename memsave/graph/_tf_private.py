@@ -165,18 +165,6 @@ def is_trainable(t):
     return backprop_util.IsTrainable(t)
 
 
-def call_gradient_intermediates(op):
-    """(its own outputs, the outputs beyond them) of the forward function tf.gradients
-    rewrites tf.function call op `op` to call (the latter: what its backward function
-    reads), as tensors of that function; None where `op` has no such gradient
-    (call_gradient_graphs)."""
-    graphs = call_gradient_graphs(op)
-    if graphs is None:
-        return None
-    count = len(op.outputs)
-    return list(graphs[0].outputs[:count]), list(graphs[0].outputs[count:])
-
-
 def function_definition(graph, name):
     """The FunctionDef named `name` in `graph`'s function library (or an outer graph's),
     or None where there is none."""

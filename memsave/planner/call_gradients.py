@@ -44,22 +44,42 @@ def held_bytes(op, unknown_dim_size=1):
     if not calls.is_call(op):
         return 0
     try:
-        outputs = _tf_private.call_gradient_intermediates(op)
+        graphs = _tf_private.call_gradient_graphs(op)
     except Exception as error:  # (TensorFlow's own tracing of a user's function)
         logger.debug("memsave: cannot build the forward function of %s's gradient (%s: %s); "
                      "counting none of its intermediates", op.name, type(error).__name__, error)
         return 0
-    if outputs is None:
+    if graphs is None:
         return 0
-    own, intermediates = outputs
-    # (What shares an output's buffer, the tanh a call returns, is held as that output.)
-    returned = {_buffer_owner(t).ref() for t in own}
+    forward = graphs[0]
+    roles = _roles(op, forward)
     owners = {}
-    for t in intermediates:
+    for t in forward.outputs[len(op.outputs):]:
         owner = _buffer_owner(t)
-        if owner.op.type not in _NO_BUFFER_OF_THEIR_OWN and owner.ref() not in returned:
+        if _origin(owner, *roles) == ("held", 0):
             owners[owner.ref()] = owner
     return sum(estimated_bytes(t, unknown_dim_size) for t in owners.values())
+
+
+def _roles(op, forward):
+    """({buffer owner of the forward function's output i: i}, {its argument i: i}) for
+    call op `op` (what shares an output's buffer, the tanh a call returns, is held as
+    that output)."""
+    return ({_buffer_owner(t).ref(): i for i, t in enumerate(forward.outputs[:len(op.outputs)])},
+            {t.ref(): i for i, t in enumerate(forward.inputs[:len(op.inputs)])})
+
+
+def _origin(owner, returned, arguments):
+    """What of the step a tensor of the forward function whose buffer is `owner`'s is, as
+    BackwardRun names it: ("output", i), ("input", i), ("held", 0), or None for what
+    holds no buffer of its own (`returned`, `arguments`: _roles)."""
+    if owner.ref() in returned:
+        return ("output", returned[owner.ref()])
+    if owner.ref() in arguments:
+        return ("input", arguments[owner.ref()])
+    if owner.op.type in _NO_BUFFER_OF_THEIR_OWN:
+        return None
+    return ("held", 0)
 
 
 def _buffer_owner(t):
@@ -165,22 +185,12 @@ def _input_origins(op, forward, backward):
     captured = {id(inner): outer for outer, inner in backward.captures}
     if len(backward.inputs) != len(trainable) + len(captured):
         return None
-    returned = {_buffer_owner(t).ref(): i for i, t in enumerate(forward.outputs[:len(op.outputs)])}
-    arguments = {t.ref(): i for i, t in enumerate(forward.inputs[:len(op.inputs)])}
+    roles = _roles(op, forward)
     origins = [("incoming", i) for i in trainable]
     for t in backward.inputs[len(trainable):]:
         outer = captured.get(id(t))
         if outer is None:
             return None
-        owner = _buffer_owner(outer) if outer.graph is forward else None
-        if owner is None:
-            origins.append(None)
-        elif owner.ref() in returned:
-            origins.append(("output", returned[owner.ref()]))
-        elif owner.ref() in arguments:
-            origins.append(("input", arguments[owner.ref()]))
-        elif owner.op.type in _NO_BUFFER_OF_THEIR_OWN:
-            origins.append(None)
-        else:
-            origins.append(("held", 0))
+        origins.append(_origin(_buffer_owner(outer), *roles) if outer.graph is forward
+                       else None)
     return origins

@@ -198,6 +198,11 @@ class _Timeline:
         if buffer is not None and self.ends[buffer] < step:
             self.ends[buffer] = step
 
+    def last_read_at(self, buffer, step):
+        """Whether `buffer` is made before `step` and read for the last time there."""
+        return (buffer is not None and self.ends[buffer] == step
+                and self.starts[buffer] < step)
+
     def peak(self):
         """(peak bytes, step of the peak)."""
         return intervals.peak(self.starts, self.ends, self.bytes, len(self.labels))
@@ -608,16 +613,12 @@ class MemoryModel:
         a buffer needs none of its own there. Done once every step is simulated, when
         each buffer's last reader is known; before contributions are written into dying
         buffers (a buffer freed here is none of those)."""
-        def dies_at(buffer, step):
-            return (buffer is not None and timeline.ends[buffer] == step
-                    and timeline.starts[buffer] < step)
-
         for step, released, written in self._call_runs:
             for buffer in released:
-                if dies_at(buffer, step):
+                if timeline.last_read_at(buffer, step):
                     timeline.ends[buffer] = step - 1
             for buffer, own in written:
-                if dies_at(buffer, step):
+                if timeline.last_read_at(buffer, step):
                     timeline.bytes[own] = 0
 
     def _written_by_call(self, op, tid):
@@ -640,8 +641,7 @@ class MemoryModel:
         taken = set()
         for step, made, candidates in self._written_into:
             for buffer in candidates:
-                if (buffer not in taken
-                        and timeline.ends[buffer] == step and timeline.starts[buffer] < step
+                if (buffer not in taken and timeline.last_read_at(buffer, step)
                         and timeline.bytes[buffer] == timeline.bytes[made]):
                     timeline.ends[buffer] = step - 1
                     taken.add(buffer)
