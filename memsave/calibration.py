@@ -11,6 +11,7 @@
 Both run TensorFlow, memsave's rewrite among it, so they sit above the planner.
 """
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -24,6 +25,32 @@ from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.planner.calibrated import Allocation, MemoryCalibration
 from memsave.planner.costs import Costs
+
+
+# The sizes calibrate() times: costs_from_timings turns seconds into prices with them.
+CONV_FLOPS = 2 * 16 * 32 * 32 * 64 * 9 * 64  # a 3x3 convolution, 64 -> 64 channels
+MATMUL_FLOPS = 2 * 1024 ** 3                  # a 1024 x 1024 product
+ELEMENTS = 32 * 64 * 64 * 64                  # 8M elements: data from memory, not caches
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationTimings:
+    """Seconds calibrate() measured, each beyond a reference graph that differs only in
+    what is measured.
+
+    Attributes:
+      conv, matmul: one CONV_FLOPS convolution, one MATMUL_FLOPS matmul.
+      relu, add, norm: a ReLU, an add and a training batch norm over ELEMENTS elements.
+      per_op: one more op in a chain of tiny ops.
+      per_segment: one more segment of memsave's rewrite.
+    """
+    conv: float
+    matmul: float
+    relu: float
+    add: float
+    norm: float
+    per_op: float
+    per_segment: float
 
 
 def calibrate(repeats=15, source=None):
@@ -40,6 +67,48 @@ def calibrate(repeats=15, source=None):
       source: a name for the machine (default: 'calibrate() on this machine').
     Returns:
       A memsave.planner.Costs, for memsave.planner.costs.use(costs).
+    Raises:
+      MemsaveError: where a convolution or a matmul measured no time (see
+        costs_from_timings).
+    """
+    return costs_from_timings(measure_timings(repeats), source)
+
+
+def costs_from_timings(timings, source=None):
+    """The cost model's prices from measured seconds: the FLOP rate of the heavy ops
+    (the geometric mean of the convolution's and the matmul's), and every other price
+    as that many FLOPs.
+
+    Args:
+      timings: a CalibrationTimings.
+      source: a name for the machine (default: 'calibrate() on this machine').
+    Returns:
+      A memsave.planner.Costs.
+    Raises:
+      MemsaveError: where the convolution or the matmul took no measurable time (no
+        FLOP rate can be taken from it).
+    """
+    for name in ("conv", "matmul"):
+        if not getattr(timings, name) > 0:
+            raise MemsaveError(
+                f"calibrate: the {name} measured {getattr(timings, name)!r} s beyond its "
+                "reference, so no FLOP rate can be taken from it; run calibrate() again "
+                "with more repeats on a quieter machine")
+    rate = float(np.sqrt(CONV_FLOPS / timings.conv * MATMUL_FLOPS / timings.matmul))
+    return Costs(per_element=round((timings.relu + timings.add) / 2 / ELEMENTS * rate, 1),
+                 per_normalised_element=round(timings.norm / ELEMENTS * rate, 1),
+                 op_overhead=round(timings.per_op * rate, -3),
+                 segment_overhead=round(timings.per_segment * rate, -3),
+                 source=source or "calibrate() on this machine")
+
+
+def measure_timings(repeats=15):
+    """Times the graphs calibrate() prices the machine by.
+
+    Args:
+      repeats: runs per graph; the fastest is kept.
+    Returns:
+      A CalibrationTimings (seconds; a difference that came out negative is 0).
     """
     rng = np.random.default_rng(0)
 
@@ -60,15 +129,12 @@ def calibrate(repeats=15, source=None):
 
     # Each graph reduces its result to one number: what comes back costs nothing.
     images, kernel = constant(16, 32, 32, 64), constant(3, 3, 64, 64)
-    conv = 2 * 16 * 32 * 32 * 64 * 9 * 64 / extra(
-        lambda x, w: tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME")),
-        lambda x, w: tf.reduce_sum(x), images, kernel)
+    conv = extra(lambda x, w: tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME")),
+                 lambda x, w: tf.reduce_sum(x), images, kernel)
     a = constant(1024, 1024)
-    matmul = 2 * 1024 ** 3 / extra(lambda x: tf.reduce_sum(tf.matmul(x, x)), tf.reduce_sum, a)
-    rate = float(np.sqrt(conv * matmul))  # FLOP/s of the heavy ops
+    matmul = extra(lambda x: tf.reduce_sum(tf.matmul(x, x)), tf.reduce_sum, a)
 
-    big = constant(32, 64, 64, 64)  # 8M elements: data from memory, not from caches
-    elements = int(np.prod(big.shape))
+    big = constant(32, 64, 64, 64)
     relu = extra(lambda x: tf.reduce_sum(tf.nn.relu(x)), tf.reduce_sum, big)
     add = extra(lambda x: tf.reduce_sum(x + x), tf.reduce_sum, big)
     scale, offset = tf.ones([64]), tf.zeros([64])
@@ -82,13 +148,10 @@ def calibrate(repeats=15, source=None):
             return x
         return run
     tiny = constant(16)  # (a scalar argument gets folded away)
-    overhead = extra(chain(1000), chain(200), tiny) / 800
-    segment = _segment_overhead(extra, constant(64, 64))
-    return Costs(per_element=round((relu + add) / 2 / elements * rate, 1),
-                 per_normalised_element=round(norm / elements * rate, 1),
-                 op_overhead=round(overhead * rate, -3),
-                 segment_overhead=round(segment * rate, -3),
-                 source=source or "calibrate() on this machine")
+    per_op = extra(chain(1000), chain(200), tiny) / 800
+    per_segment = _segment_overhead(extra, constant(64, 64))
+    return CalibrationTimings(conv=conv, matmul=matmul, relu=relu, add=add, norm=norm,
+                              per_op=per_op, per_segment=per_segment)
 
 
 def _segment_overhead(extra, x, length=200):
