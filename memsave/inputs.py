@@ -262,6 +262,23 @@ def _tensor_by_name(name, graph, index):
                            "graph; pass tensor objects or full names such as 'dense/Relu:0'") from error
 
 
+def accepted_checkpoints():
+    """Every form `checkpoints=` takes, in words: the one text of every error about it."""
+    names = ", ".join(repr(name) for name in sorted(STRATEGIES))
+    return (f"a list of tensors (or tensor names) to keep, one of {names}, "
+            "memsave.budget(limit), or a strategy callable (region -> choices; see "
+            "memsave.strategies)")
+
+
+def unknown_strategy_error(checkpoints):
+    """The MemsaveError for a `checkpoints=` that is none of the accepted forms."""
+    if isinstance(checkpoints, str):
+        return MemsaveError(f"unknown checkpoints strategy {checkpoints!r}; expected "
+                            f"{accepted_checkpoints()}")
+    return MemsaveError(f"checkpoints is a {type(checkpoints).__name__}; expected "
+                        f"{accepted_checkpoints()}")
+
+
 def resolve_strategy(checkpoints, graph):
     """Turns the `checkpoints` argument into (strategy callable, display name).
 
@@ -274,15 +291,12 @@ def resolve_strategy(checkpoints, graph):
     """
     if isinstance(checkpoints, str):
         if checkpoints not in STRATEGIES:
-            raise MemsaveError(f"unknown checkpoints strategy '{checkpoints}'; expected a list of "
-                               f"tensors or one of {', '.join(repr(k) for k in sorted(STRATEGIES))}")
+            raise unknown_strategy_error(checkpoints)
         return STRATEGIES[checkpoints], checkpoints
     if callable(checkpoints) and not isinstance(checkpoints, (tf.Tensor, tf.Variable)):
         return checkpoints, getattr(checkpoints, "__name__", "custom")
     if not isinstance(checkpoints, (list, tuple)):
-        raise MemsaveError(f"checkpoints is a {type(checkpoints).__name__}; expected a list of "
-                           f"tensors (or tensor names) or one of "
-                           f"{', '.join(repr(k) for k in sorted(STRATEGIES))}")
+        raise unknown_strategy_error(checkpoints)
     tensors = []
     for i, item in enumerate(checkpoints):
         if isinstance(item, str):

@@ -130,3 +130,18 @@ def _rewrite_small_graphs(request, monkeypatch):
     monkeypatch.setenv(ALWAYS_REWRITE_ENV, "1")
     with memsave.always_rewrite():
         yield
+
+
+# --- measurements shared by pytest-xdist's workers (tests/_shared_runs.py) ---------------
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(pytest-xdist, on the controller) Remembers the run's id, to clean up after it."""
+    node.config._memsave_run_id = node.workerinput.get("testrunuid")
+
+
+def pytest_sessionfinish(session):
+    run_id = getattr(session.config, "_memsave_run_id", None)
+    if run_id:
+        from _shared_runs import remove_run_directory
+        remove_run_directory(run_id)

@@ -144,7 +144,9 @@ REFUSED_BY_TF_TOO = [
 REFUSED_BY_MEMSAVE = [
     ("unknown_strategy",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints="fastest"),
-     r"unknown checkpoints strategy 'fastest'.*'collection', 'memory', 'speed'"),
+     r"unknown checkpoints strategy 'fastest'; expected a list of tensors \(or tensor names\) "
+     r"to keep, one of 'collection', 'memory', 'speed', memsave.budget\(limit\), or a strategy "
+     r"callable"),
     ("checkpoint_from_another_graph",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints=[t["h"], _other_graph_tensor()]),
      r"checkpoints\[1\] \(" + OTHER + r"\) belongs to another graph; pass tensors of the graph"),
@@ -163,7 +165,7 @@ REFUSED_BY_MEMSAVE = [
      r"checkpoints\[0\] is a Operation; a checkpoint list holds graph tensors"),
     ("checkpoints_single_tensor",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints=t["h"]),
-     r"checkpoints is a \w*Tensor; expected a list of tensors \(or tensor names\) or one of"),
+     r"checkpoints is a \w*Tensor; expected a list of tensors \(or tensor names\) to keep, one of"),
     ("checkpoints_none",
      lambda t: memsave.gradients(t["y"], t["x"], checkpoints=None),
      r"checkpoints is a NoneType; expected a list of tensors"),

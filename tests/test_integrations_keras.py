@@ -173,7 +173,7 @@ def test_run_eagerly_is_refused_with_advice():
 
 
 def test_bad_input():
-    with pytest.raises(memsave.MemsaveError, match="unknown checkpoint strategy"):
+    with pytest.raises(memsave.MemsaveError, match="unknown checkpoints strategy"):
         _functional(memsave.keras.MemsaveModel, checkpoints="fastest")
     with pytest.raises(memsave.MemsaveError, match="takes a keras.Model"):
         memsave.keras.enable(object())

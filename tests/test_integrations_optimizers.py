@@ -52,7 +52,7 @@ def test_gradient_function_matches_tf_gradients(run_graph, checkpoints):
 
 
 def test_gradient_function_refuses_unknown_strategy():
-    with pytest.raises(memsave.MemsaveError, match="unknown checkpoint strategy 'sqrt'.*memory"):
+    with pytest.raises(memsave.MemsaveError, match="unknown checkpoints strategy 'sqrt'.*memory"):
         memsave.gradient_function(checkpoints="sqrt")
 
 
@@ -130,7 +130,7 @@ def test_memsave_optimizer_in_tf_function_with_callable_loss():
 def test_memsave_optimizer_refuses_bad_input_and_eager():
     with pytest.raises(memsave.MemsaveError, match="wraps a tf.compat.v1.train.Optimizer"):
         memsave.MemsaveOptimizer(object())
-    with pytest.raises(memsave.MemsaveError, match="unknown checkpoint strategy"):
+    with pytest.raises(memsave.MemsaveError, match="unknown checkpoints strategy"):
         memsave.MemsaveOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), "fastest")
     opt = memsave.MemsaveOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), "memory")
     v = tf.Variable(1.0)

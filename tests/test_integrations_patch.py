@@ -269,12 +269,27 @@ def test_patched_in_tf_function_matches():
     assert patch_module.active_checkpoints() is None
 
 
-def test_bad_strategy_is_refused_early():
-    with pytest.raises(memsave.MemsaveError, match="memsave: unknown checkpoint strategy 'fast'"):
+def test_bad_strategy_is_refused_early_in_the_words_of_memsave_gradients():
+    with pytest.raises(memsave.MemsaveError, match="memsave: unknown checkpoints strategy 'fast'"):
         memsave.patch(checkpoints="fast")
-    with pytest.raises(memsave.MemsaveError, match="checkpoints=None"):
+    with pytest.raises(memsave.MemsaveError, match="checkpoints is a NoneType"):
         memsave.patch(checkpoints=None)
     assert patch_module.active_checkpoints() is None
+    # One text, naming every accepted form, wherever a strategy is given.
+    texts = set()
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2])
+        for call in (lambda: memsave.patch(checkpoints="fastest"),
+                     lambda: memsave.gradient_function("fastest"),
+                     lambda: memsave.gradients(tf.reduce_sum(tf.tanh(x)), [x],
+                                               checkpoints="fastest")):
+            with pytest.raises(memsave.MemsaveError) as refused:
+                call()
+            texts.add(str(refused.value))
+    [text] = texts
+    for form in ("a list of tensors", "'memory'", "memsave.budget(limit)", "strategy callable"):
+        assert form in text, text
 
 
 # ---------------------------------------------------------------- memory

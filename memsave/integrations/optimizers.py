@@ -20,6 +20,7 @@ from tensorflow.python.training import optimizer as _tf_optimizer_module
 from memsave import offload as offload_lib
 from memsave import rewrite as _rewrite
 from memsave.errors import MemsaveError
+from memsave.inputs import unknown_strategy_error
 from memsave.strategies import STRATEGIES
 
 _UNCONNECTED_NONE = tf.UnconnectedGradients.NONE
@@ -48,14 +49,8 @@ def check_checkpoints(checkpoints):
     Raises:
       MemsaveError: if it is a string that names no strategy, or None.
     """
-    if checkpoints is None:
-        raise MemsaveError(
-            f"checkpoints=None is not a strategy; pass one of {sorted(STRATEGIES)} "
-            "or a list of tensors to keep.")
-    if isinstance(checkpoints, str) and checkpoints not in STRATEGIES:
-        raise MemsaveError(
-            f"unknown checkpoint strategy {checkpoints!r}; use one of "
-            f"{sorted(STRATEGIES)} or a list of tensors to keep.")
+    if checkpoints is None or (isinstance(checkpoints, str) and checkpoints not in STRATEGIES):
+        raise unknown_strategy_error(checkpoints)
     return checkpoints
 
 
