@@ -16,22 +16,25 @@ for the gradients of the sources the tape watches, and stops at every op on the 
 that the tape did not record: the tape would not differentiate through those either.
 Sources it does not watch get None (zeros with unconnected_gradients='zero'), as from
 the tape. It answers as the plain tape (`tf.GradientTape.gradient`): called eagerly
-(no graph to rewrite; a log line says so once), while another tape records (a
+(no graph to rewrite; a MemsaveWarning says so once, and `last_report()` each time), while another tape records (a
 higher-order gradient: that tape would not record memsave's copies), for ragged or
 sparse sources and targets, and in `jacobian` and `batch_jacobian`.
 """
 
 import contextlib
-import logging
+import warnings
 
 import tensorflow as tf
 
 from memsave import inputs, rewrite
+from memsave import report as report_lib
+from memsave.errors import MemsaveWarning
 from memsave.graph import _tf_private
 from memsave.graph.select import TensorMap, get_backward_walk_ops, get_forward_walk_ops
 
-logger = logging.getLogger(__name__)
 _said_eager = []
+_EAGER = ("memsave.GradientTape.gradient was called eagerly, where there is no graph to "
+          "rewrite")
 
 
 # memsave builds graphs; AutoGraph must not transpile it when a tf.function calls it
@@ -189,14 +192,26 @@ class GradientTape(tf.GradientTape):
                             for t in targets)
         plain_sources = all(inputs.is_variable(s) or isinstance(s, tf.Tensor) for s in sources)
         if tf.executing_eagerly():
-            if not _said_eager:
-                _said_eager.append(True)
-                logger.info("memsave.GradientTape: called eagerly, so it answers as "
-                            "tf.GradientTape; memory is saved inside a tf.function")
+            self._say_eager()
             return False
         return (not self._as_tape and bool(targets) and graph_tensors and plain_sources
                 and any(graph is targets[0].graph for graph, _, _ in self._ranges)
                 and not _tf_private.a_tape_is_recording())
+
+    def _say_eager(self):
+        """Eagerly there is no graph to rewrite: last_report() says so, and a warning
+        once per process (a user who forgot tf.function would never learn why memory
+        did not drop)."""
+        checkpoints = self._memsave_checkpoints
+        name = checkpoints if isinstance(checkpoints, str) else getattr(
+            checkpoints, "__name__", type(checkpoints).__name__)
+        report_lib.record(report_lib.RewriteReport(strategy=name, region_ops=0, fallback=(
+            f"memsave: {_EAGER}, so it answered as tf.GradientTape and saved no memory")))
+        if not _said_eager:
+            _said_eager.append(True)
+            warnings.warn(f"memsave: {_EAGER}; it answers as tf.GradientTape and saves no "
+                          "memory: call it inside a tf.function (this warning is given once)",
+                          MemsaveWarning, stacklevel=4)
 
     def _is_watched(self, source, recorded, watched_handles):
         if inputs.is_variable(source):  # (a Keras 3 variable wraps the tf.Variable watched)

@@ -6,6 +6,8 @@ memsave.GradientTape in one tf.function (float64) and compares the structures, t
 Nones and the values; the report shows memsave built segments.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -143,14 +145,25 @@ def test_a_non_persistent_tape_answers_once():
     step(tf.constant(X))
 
 
-def test_eagerly_it_is_the_tape():
+def test_eagerly_it_is_the_tape_and_says_once_that_it_saved_nothing(monkeypatch):
+    from memsave import tape as tape_module
+    monkeypatch.setattr(tape_module, "_said_eager", [])
     weights = [tf.Variable(w) for w in W_VALUES[:2]]
     results = []
-    for tape_class in (tf.GradientTape, memsave.GradientTape):
-        with tape_class() as tape:
-            target = tf.reduce_sum(_chain(tf.constant(X), weights))
-        results.append(tape.gradient(target, weights))
+    with pytest.warns(memsave.MemsaveWarning, match="called eagerly.*inside a tf.function"):
+        for tape_class in (tf.GradientTape, memsave.GradientTape):
+            with tape_class() as tape:
+                target = tf.reduce_sum(_chain(tf.constant(X), weights))
+            results.append(tape.gradient(target, weights))
     assert_same_gradients(_flat(results[0]), _flat(results[1]), rtol=0)
+    assert "called eagerly" in memsave.last_report().fallback
+    assert "saved no memory" in memsave.last_report().fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once: the second call only reports)
+        with memsave.GradientTape(checkpoints="speed") as tape:
+            target = tf.reduce_sum(_chain(tf.constant(X), weights))
+        tape.gradient(target, weights)
+    assert memsave.last_report().strategy == "speed"
 
 
 def test_jacobian_is_the_tapes():
