@@ -3,6 +3,7 @@ selects a Costs, and the calibration's arithmetic on given timings (what a machi
 measures belongs in benchmarks, not in an assertion)."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -129,4 +130,6 @@ def test_calibrate_times_every_graph_it_prices_the_machine_by(monkeypatch):
     assert source == "test"
     for field in dataclasses.fields(timings):
         seconds = getattr(timings, field.name)
-        assert isinstance(seconds, float) and 0 <= seconds < 60, (field.name, seconds)
+        # (a difference measure_timings clamps at 0; how long it is depends on the machine)
+        assert isinstance(seconds, float) and math.isfinite(seconds) and seconds >= 0, (
+            field.name, seconds)
