@@ -22,6 +22,7 @@ from memsave.integrations.optimizers import MemsaveOptimizer, gradient_function 
 from memsave.integrations.patch import patch  # noqa: E402
 from memsave.calibration import calibrate, calibrate_memory  # noqa: E402
 from memsave.tape import GradientTape  # noqa: E402
+from memsave.batch import batch_size  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -30,7 +31,7 @@ __all__ = [
     "mark_checkpoint", "CHECKPOINT_COLLECTION", "STRATEGIES", "MemsaveError",
     "RewriteReport", "last_report", "plan", "MemsaveWarning",
     "patch", "gradient_function", "MemsaveOptimizer", "budget", "always_rewrite", "Offload",
-    "calibrate", "calibrate_memory", "GradientTape", "recompute_loops",
+    "calibrate", "calibrate_memory", "GradientTape", "recompute_loops", "batch_size",
 ]
 
 

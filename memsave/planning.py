@@ -81,6 +81,8 @@ class Plan:
       warn: whether that fallback deserves a warning (the caller listed checkpoints).
       calibrated: the scale to a measured step the strategy planned with
         (memsave.planner.calibrated.Calibrated), or None.
+      unknown_dim_source: where the size of unknown dimensions came from
+        (memsave.planner.Problem.unknown_dim_source).
     """
     strategy: str
     region: ForwardRegion
@@ -105,6 +107,7 @@ class Plan:
     fallback: Optional[str] = None
     warn: bool = False
     calibrated: Optional[Calibrated] = None
+    unknown_dim_source: Optional[str] = None
 
     @property
     def checkpoint_tensors(self):
@@ -138,7 +141,8 @@ class Plan:
             not_recomputable=[(op.name, why) for op, why in self.region.kept_ops],
             baseline_peak_bytes=baseline.device_peak_bytes, baseline_peak_at=baseline.device_peak_at,
             resident_bytes=baseline.resident_bytes, unknown_dims=len(graph.unknown_dims),
-            unknown_dim_size=graph.unknown_dim_size, fallback=self.fallback,
+            unknown_dim_size=graph.unknown_dim_size, unknown_dim_source=self.unknown_dim_source,
+            fallback=self.fallback,
             reads_checkpoints=self.reads_checkpoints, recomputes_ahead=self.recomputes_ahead,
             orders_backward=self.orders_backward,
             loops=[(graph.ops[op].name, report_lib.loop_line(
@@ -202,7 +206,7 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         kept, dropped = _select_checkpoints(selection.choices, region)
     kept, segmentation = _with_shared_tensors(kept, model.graph, region)
     common = dict(strategy=strategy_name, region=region, environment=environment,
-                  step_graph=model.graph, dropped=tuple(dropped),
+                  step_graph=model.graph, unknown_dim_source=problem.unknown_dim_source, dropped=tuple(dropped),
                   baseline=model.baseline(allocator=True), calibrated=selection.calibrated)
     if not kept:
         return Plan(checkpoints=(), fallback=selection.plain or _no_checkpoints_message(

@@ -61,7 +61,9 @@ class RewriteReport:
     where in the step the predicted peak falls. `recompute_flops` is the estimated cost of
     the recomputed copies, `forward_flops` that of one forward pass of the region.
     `unknown_dims` tensors had unknown dimensions, counted as `unknown_dim_size`
-    (see memsave.plan's and memsave.budget's `unknown_dim_size`). `offloaded` names
+    (see memsave.plan's and memsave.budget's `unknown_dim_size`, and memsave.batch_size),
+    which came from `unknown_dim_source` ("given", "measured", the batch's source such
+    as "fit's batch_size=8", or None: 1, assumed). `offloaded` names
     each checkpoint copy read back from host memory (one per reading segment), and
     `offload_moved_bytes` the bytes moved per step, out and back (memsave.offload);
     `predicted_host_bytes` what the offloaded checkpoints hold in host memory (the
@@ -115,6 +117,7 @@ class RewriteReport:
     forward_flops: int = 0
     unknown_dims: int = 0
     unknown_dim_size: int = 1
+    unknown_dim_source: Optional[str] = None
     offloaded: List[str] = dataclasses.field(default_factory=list)
     offload_moved_bytes: int = 0
     predicted_host_bytes: int = 0
@@ -203,14 +206,20 @@ class RewriteReport:
         if self.memory_calibration is not None:
             text += (f"; calibrated: {_mb(self.calibrated_peak_bytes)} vs tf.gradients' measured "
                      f"{_mb(self.measured_baseline_peak_bytes)} ({self.memory_calibration})")
-        if self.unknown_dims and self.unknown_dim_size_measured:
-            text += (f" ({self.unknown_dims} tensors have unknown dimensions, counted as "
-                     f"{self.unknown_dim_size}, as measured)")
-        elif self.unknown_dims:
-            text += (f" ({self.unknown_dims} tensors have unknown dimensions, counted as "
-                     f"{self.unknown_dim_size}: pass unknown_dim_size= to memsave.plan or "
-                     "memsave.budget)")
+        if self.unknown_dims:
+            text += f" ({self.unknown_dims} tensors have unknown dimensions, {self._dims_text()})"
         return text
+
+    def _dims_text(self):
+        source = self.unknown_dim_source
+        if self.unknown_dim_size_measured or source == "measured":
+            return f"counted as {self.unknown_dim_size}, as measured"
+        if source == "given":
+            return f"counted as {self.unknown_dim_size}, as given"
+        if source:
+            return f"planned for a batch of {self.unknown_dim_size}, from {source}"
+        return (f"counted as {self.unknown_dim_size}: pass unknown_dim_size= to memsave.plan or "
+                "memsave.budget, or trace the step inside memsave.batch_size(n)")
 
     def format(self):
         """A readable table of checkpoints and segments."""

@@ -17,6 +17,7 @@ import warnings
 
 import tensorflow as tf
 
+from memsave import batch as batch_lib
 from memsave import build as build_lib
 from memsave import inputs
 from memsave import offload as offload_lib
@@ -253,14 +254,19 @@ def _problem(region, environment, strategy, offload, unknown_dim_size=None):
     """The Problem a strategy plans for: unknown dimensions count as the strategy's
     `unknown_dim_size` (memsave.budget(..., unknown_dim_size=)), else the call's
     (memsave.plan), else what the strategy's memory calibration measured them to be
-    (memsave.budget(..., calibration=)), else 1; offload is the call's (None under XLA,
-    with a warning)."""
+    (memsave.budget(..., calibration=)), else the batch of an active memsave.batch_size
+    (which memsave.keras sets from what `fit` is given), else 1; offload is the call's
+    (None under XLA, with a warning)."""
     size = getattr(strategy, "unknown_dim_size", None) or unknown_dim_size
+    source = None if size is None else "given"
     calibration = getattr(strategy, "calibration", None)
     if size is None and calibration is not None:
         size = calibration.unknown_dim_size(region.ys[0].graph)
-    size = size or 1
-    return Problem(region, environment, size, offload_lib.usable(offload, environment))
+        source = None if size is None else "measured"
+    if size is None and batch_lib.current() is not None:
+        size, source = batch_lib.current()
+    return Problem(region, environment, size or 1, offload_lib.usable(offload, environment),
+                   unknown_dim_source=source)
 
 
 _UNCONNECTED = "none of the ys depends on any of the xs"

@@ -251,9 +251,14 @@ def test_mixed_precision_weight_gradients_made_last_are_predicted_and_never_chos
     own kernels run (oneDNN off). Where the model knew neither, 'memory' rewrote this
     step to 54.4-55.0 MiB, predicted 41.9, above tf.gradients' 43.5-54.3 (AMD EPYC
     without AVX-512). Now it predicts the rewrite there (52.1) above tf.gradients' 47.0,
-    so plain tf.gradients runs; forced, the rewrite is measured at its prediction."""
+    so plain tf.gradients runs; forced, the rewrite is measured at its prediction.
+    tf.gradients' own peak here moves from process to process with the order the two
+    threads run its filter gradients in (44.6-57.2 MiB in 13 processes, same CPU): its
+    prediction is checked against the median of three processes."""
     options = dict(blocks=8, batch=4, size=8, channels=256)
-    baseline = measure("bfloat16_cnn", mode="tf", **options)
+    baselines = [measure("bfloat16_cnn", mode="tf", **options)] + [
+        _run_case("bfloat16_cnn", "tf", **options) for _ in range(2)]
+    baseline = sorted(baselines, key=lambda run: run["peak_mb"])[1]
     got = measure("bfloat16_cnn", mode="memory", **options)
     forced = run_isolated("_memory_cases:bfloat16_cnn", mode="memory", **options, env={
         "PYTHONPATH": TESTS_DIR, "MEMSAVE_ALWAYS_REWRITE": "1"})

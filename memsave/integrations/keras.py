@@ -20,6 +20,10 @@ Three ways in, pick one:
     model.compile(optimizer='adam', loss='sparse_categorical_crossentropy')
     model.fit(x, y)
 
+Keras traces the train step with a batch of None; each of these `fit`s plans it for the
+batch it is given (its `batch_size`, a dataset's batch: memsave.integrations.keras_batch),
+and `memsave.last_report()` names that batch.
+
 Or, in your own `Model` subclass, `return memsave.keras.train_step(self, data)`
 from `train_step`.
 
@@ -44,6 +48,7 @@ from keras.src.models.functional import Functional as _Functional
 
 from memsave import offload as offload_lib
 from memsave import rewrite as _rewrite
+from memsave.integrations import keras_batch
 from memsave.errors import MemsaveError
 from memsave.integrations.optimizers import check_checkpoints
 from memsave.strategies.planned import budget as _budget
@@ -143,6 +148,12 @@ class MemsaveTrainStep:
 
     memsave_checkpoints = DEFAULT_CHECKPOINTS
     memsave_offload = False
+
+    def fit(self, *args, **kwargs):
+        """Keras' `fit`, its train step planned for the batch it is given
+        (memsave.integrations.keras_batch; the report names the batch)."""
+        with keras_batch.planned_for_fit(self, args, kwargs):
+            return super().fit(*args, **kwargs)
 
     def train_step(self, data):
         """Keras' train step with memsave gradients (see `train_step`).
@@ -277,8 +288,21 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
     # An instance attribute wins over the class's train_step; the next fit
     # builds its train function from it.
     model.train_step = memsave_train_step
+    if "fit" not in vars(model):
+        model.fit = _planned_fit(model)
     model.train_function = None
     return model
+
+
+def _planned_fit(model):
+    fit = type(model).fit
+
+    def planned_fit(*args, **kwargs):
+        with keras_batch.planned_for_fit(model, args, kwargs):
+            return fit(model, *args, **kwargs)
+
+    planned_fit.memsave_planned = True
+    return planned_fit
 
 
 def disable(model):
@@ -293,4 +317,6 @@ def disable(model):
     if step is not None and hasattr(step, "memsave_checkpoints"):
         del model.train_step
         model.train_function = None
+    if getattr(vars(model).get("fit"), "memsave_planned", False):
+        del model.fit
     return model

@@ -23,6 +23,9 @@ While a patch is active these names compute their gradients with memsave:
   `model.fit` first called under the patch saves memory; Keras keeps that traced step,
   so it keeps saving after the patch, and a step traced before the patch never saves).
   A tape made while no patch is active answers as tf.GradientTape.
+- Keras 3's `keras.Model.fit`, where Keras is imported when the patch starts: it plans
+  the step it traces for the batch it is given (memsave.integrations.keras_batch), not
+  for the batch of None Keras traces with.
 
 On exit, also when the body raises, every one of them is put back exactly as it
 was (the same object, or no attribute if there was none). Patches nest: the
@@ -40,6 +43,7 @@ import contextlib
 import importlib
 import inspect
 import logging
+import sys
 import threading
 
 import tensorflow as tf
@@ -59,6 +63,8 @@ _ATTRIBUTE = "gradients"
 # Where tf.GradientTape is looked up (from the `tensorflow` module).
 _TAPE_SITES = ("", "autodiff", "compat.v1", "compat.v2")
 _TAPE_ATTRIBUTE = "GradientTape"
+# Keras 3's Model.fit, planned for the batch it is given (memsave.batch).
+_FIT_ATTRIBUTE = "fit"
 
 _lock = threading.RLock()
 # The active patches, innermost last; each entry is (entry token, (checkpoints, offload)).
@@ -144,9 +150,22 @@ def _make_dispatcher(original):
     return gradients
 
 
+def _keras_fit_sites():
+    """keras.Model, whose `fit` a patch plans for the batch it is given, where Keras 3
+    on TensorFlow is already imported (a patch never imports Keras)."""
+    keras = sys.modules.get("keras")
+    version = getattr(keras, "version", None)
+    if keras is None or not callable(version) or not version().startswith("3"):
+        return []
+    if keras.backend.backend() != "tensorflow":
+        return []
+    return [keras.Model]
+
+
 def _install():
     slots = [(owner, _ATTRIBUTE) for owner in _sites()]
     slots += [(owner, _TAPE_ATTRIBUTE) for owner in _tape_sites()]
+    slots += [(owner, _FIT_ATTRIBUTE) for owner in _keras_fit_sites()]
     # Read everything before writing anything: a TFModuleWrapper's setattr also
     # writes the module it wraps.
     for owner, attribute in slots:
@@ -159,6 +178,11 @@ def _install():
         for owner, attribute in slots:
             if attribute == _TAPE_ATTRIBUTE:
                 setattr(owner, attribute, _patched_tape_class(getattr(owner, attribute)))
+                continue
+            if attribute == _FIT_ATTRIBUTE:
+                from memsave.integrations import keras_batch
+                setattr(owner, attribute,
+                        keras_batch.fit_planned_for_its_batch(getattr(owner, attribute)))
                 continue
             original = _originals[id(owner)]
             key = id(original)

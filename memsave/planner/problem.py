@@ -24,15 +24,20 @@ class Problem:
       region: the memsave.region.ForwardRegion.
       environment: the memsave.environment.Environment.
       unknown_dim_size: the size the memory model assumes for unknown dimensions.
+      unknown_dim_source: where that size came from, for the report: "given" (an
+        unknown_dim_size= argument), "measured" (a memory calibration), the source of
+        an active memsave.batch_size (e.g. "fit's batch_size=8"), or None (1, assumed).
       offload: the call's memsave.Offload where it can offload (memsave.offload.usable:
         not under XLA), else None.
       model: the MemoryModel of the step, built on first use.
     """
 
-    def __init__(self, region, environment, unknown_dim_size=1, offload=None):
+    def __init__(self, region, environment, unknown_dim_size=1, offload=None,
+                 unknown_dim_source=None):
         self.region = region
         self.environment = environment
         self.unknown_dim_size = unknown_dim_size
+        self.unknown_dim_source = unknown_dim_source
         self.offload = offload
         self._model = None
         self._offload_accelerator = None

@@ -1,0 +1,122 @@
+"""The batch Keras 3 `fit` runs its steps with, read from what `fit` is given.
+
+Keras traces its train function with a batch of None; memsave plans that step for the
+batch found here (see memsave.batch), per replica under a distribution strategy:
+
+- arrays (NumPy, tensors, nests of them): `batch_size`, Keras' default 32, or the
+  number of examples where that is fewer;
+- a `tf.data.Dataset`: its element_spec's batch where that is static, else the
+  leading dimension of its first element (read once, before `fit` starts);
+- a `keras.utils.PyDataset`: its first batch, `x[0]`;
+- anything else (a Python generator): unknown, since reading it would consume it.
+
+Imports Keras; loaded by memsave.keras and by memsave.patch where Keras is in use.
+"""
+
+import contextlib
+import functools
+import inspect
+import logging
+import math
+
+import keras
+import tensorflow as tf
+
+from memsave import batch as batch_lib
+
+_log = logging.getLogger(__name__)
+
+KERAS_DEFAULT_BATCH = 32
+_FIT_SIGNATURE = inspect.signature(keras.Model.fit)
+
+
+def _leading_dim(structure):
+    """The leading dimension of the first array-like leaf of `structure`, or None."""
+    for leaf in tf.nest.flatten(structure):
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            continue
+        dims = list(shape) if not isinstance(shape, tf.TensorShape) else shape.as_list()
+        if dims and dims[0] is not None:
+            return int(dims[0])
+    return None
+
+
+def _dataset_batch(dataset):
+    specs = [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
+    static = _leading_dim(specs)
+    if static is not None:
+        return static, "the dataset's element_spec"
+    for first in dataset.take(1):
+        found = _leading_dim(first)
+        return (found, "the dataset's first batch") if found else None
+    return None
+
+
+def fit_batch_size(x=None, batch_size=None, validation_split=0.0):
+    """(batch, source) for the steps `fit(x, batch_size=...)` runs, or None where it
+    cannot be told without consuming data.
+
+    Args:
+      x, batch_size, validation_split: as given to `fit`.
+    Returns:
+      (int, str): the batch and where it came from, for the report; or None.
+    """
+    if isinstance(x, tf.data.Dataset):
+        return _dataset_batch(x)
+    if isinstance(x, keras.utils.PyDataset):
+        found = _leading_dim(x[0])
+        return (found, "the PyDataset's first batch") if found else None
+    examples = _leading_dim(x)
+    if examples is None:
+        return None
+    examples = max(1, int(examples * (1 - (validation_split or 0.0))))
+    asked = batch_size or KERAS_DEFAULT_BATCH
+    source = (f"fit's batch_size={batch_size}" if batch_size
+              else f"fit's default batch_size of {KERAS_DEFAULT_BATCH}")
+    if examples < asked:
+        return examples, f"the {examples} examples given to fit ({source})"
+    return asked, source
+
+
+def _per_replica(model, found):
+    replicas = getattr(getattr(model, "distribute_strategy", None), "num_replicas_in_sync", 1)
+    if not found or replicas <= 1:
+        return found
+    size, source = found
+    return math.ceil(size / replicas), f"{source}, over {replicas} replicas"
+
+
+@contextlib.contextmanager
+def planned_for_fit(model, args, kwargs):
+    """Plans the gradients traced inside for the batch of `model.fit(*args, **kwargs)`."""
+    if batch_lib.current() is not None:  # the caller's own memsave.batch_size wins
+        yield
+        return
+    try:
+        arguments = _FIT_SIGNATURE.bind(model, *args, **kwargs).arguments
+    except TypeError:  # let fit itself say what is wrong with its arguments
+        arguments = {}
+    found = _per_replica(model, fit_batch_size(
+        arguments.get("x"), arguments.get("batch_size"), arguments.get("validation_split")))
+    if found is None:
+        _log.info("memsave: fit's batch is unknown before it runs (a generator?); "
+                  "wrap fit in memsave.batch_size(n) to plan for it")
+        yield
+        return
+    with batch_lib.batch_size(*found):
+        yield
+
+
+def fit_planned_for_its_batch(fit):
+    """`fit` (a Keras Model's, unbound) wrapped in `planned_for_fit`."""
+    if getattr(fit, "memsave_planned", False):
+        return fit
+
+    @functools.wraps(fit)
+    def planned_fit(self, *args, **kwargs):
+        with planned_for_fit(self, args, kwargs):
+            return fit(self, *args, **kwargs)
+
+    planned_fit.memsave_planned = True
+    return planned_fit
