@@ -1,20 +1,26 @@
-"""Peak memory of one Keras 3 `model.fit` step: plain Keras against memsave.keras and
-against plain Keras under `memsave.patch` (its fit's tf.GradientTape computed by memsave).
+"""Peak memory of Keras 3 `model.fit`: plain Keras against memsave.keras and against
+plain Keras under `memsave.patch` (its fit's tf.GradientTape computed by memsave).
 
     python benchmarks/keras_fit_memory.py                      # 24 Dense layers, batch 2048
     python benchmarks/keras_fit_memory.py --depth 48 --width 512 --checkpoints memory speed
+    python benchmarks/keras_fit_memory.py --model gpt --examples 17 --optimizer adam --plan-batch 1
 
 Each configuration runs in its own process (`memsave.measure.run_isolated`, BFC
-allocator on): build a deep tanh MLP (functional Keras model, seeded), compile
-with SGD (jit_compile=False in both, so both run the same executor; --jit: True in
-both, so both are compiled by XLA), fit one
-epoch of one batch to trace and warm up, then fit one more one-batch epoch while
-the allocator records its peak. The losses of both epochs are returned, so the
-parent can check that memsave trains exactly like Keras.
+allocator on): build the model (a deep tanh MLP, or benchmarks.models' GPT from Keras
+layers; seeded), compile with SGD or Adam (jit_compile=False in all, so all run the same
+executor; --jit: True in all, so all are compiled by XLA), fit one epoch to trace and
+warm up, then fit one more epoch while the allocator records its peak. An epoch is one
+batch by default, which Keras traces with a static batch; `--examples 2*batch+1` leaves
+a partial last batch, and Keras traces its step with a batch of None, as most fits do:
+memsave then plans for the batch fit is given (`--plan-batch 1` adds rows planned for a
+batch of 1, what memsave did before it read fit's batch). The losses of both epochs are
+returned, so the parent can check that memsave trains exactly like Keras.
 
-Columns: peak MiB (allocator peak during the measured fit step: weights,
-optimizer state, data, activations, gradients), x keras (that peak divided by
-plain Keras'), losses (the two epochs' losses).
+Columns: peak MiB (allocator peak during the measured epoch: weights, optimizer state,
+data, activations, gradients), x keras (that peak divided by plain Keras'), predicted
+MiB (memsave's prediction of the step's gradients, and of tf.gradients' in brackets;
+neither includes the optimizer's slots or update), planned batch (what unknown
+dimensions were counted as; "static" where Keras knew the batch), losses.
 """
 
 import argparse
@@ -72,45 +78,89 @@ def synthetic_batch(batch, width, classes, seed=1):
             rng.randint(0, classes, size=(batch,)).astype("int32"))
 
 
+def _gpt_model_and_data(depth, batch, examples):
+    """benchmarks.models' GPT (Keras layers) as a keras.Model, and `examples` sequences."""
+    from benchmarks import models
+    bench = models.build_model("gpt", depth=depth or None, batch=examples)
+    return bench.keras_model, bench.inputs
+
+
+def _model_and_data(model, checkpoints, patched, depth, width, batch, classes, examples):
+    """(an uncompiled keras.Model whose fit uses memsave where it should, x, y)."""
+    import memsave
+    if model == "gpt":
+        net, (x, y) = _gpt_model_and_data(depth, batch, examples)
+        if checkpoints is not None and not patched:
+            memsave.keras.enable(net, checkpoints=checkpoints)
+        return net, x, y
+    net = build_model(depth, width, classes, None if patched else checkpoints)
+    x, y = synthetic_batch(examples, width, classes)
+    return net, x, y
+
+
 def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["width"],
                      batch=DEFAULTS["batch"], classes=DEFAULTS["classes"], jit_compile=False,
-                     patched=False):
-    """In a fresh process: peak bytes of one `fit` step (one batch, one epoch).
+                     patched=False, model="mlp", examples=None, optimizer="sgd",
+                     plan_batch=None):
+    """In a fresh process: peak bytes of one `fit` epoch, and what memsave planned.
 
     Args:
       checkpoints: None for plain Keras, else the memsave strategy name.
       patched: a plain keras.Model fitted under memsave.patch(checkpoints=...), not a
-        memsave.keras.MemsaveModel.
+        memsave.keras model.
+      model: "mlp" (a deep tanh MLP of `depth` x Dense(`width`)) or "gpt"
+        (benchmarks.models' GPT from Keras layers, `depth` blocks).
       depth, width, batch, classes: model and batch size.
+      examples: examples in the epoch (default `batch`: one full batch, which Keras
+        traces with a static batch; one more than a multiple of `batch` leaves a partial
+        last batch, and Keras traces its step with a batch of None, as most fits do).
+      optimizer: "sgd" or "adam" (Adam holds two slots per weight).
+      plan_batch: fit inside memsave.batch_size(plan_batch) (1: the plan memsave made
+        before it read fit's batch); None: the batch fit is given.
       jit_compile: compile's jit_compile (True: the step is compiled by XLA).
     Returns:
-      {"peak": bytes, "losses": [first epoch's loss, measured epoch's loss]}.
+      {"peak": bytes, "losses": [first epoch's loss, measured epoch's loss], and, where
+      memsave planned the step, "predicted", "predicted_baseline" (bytes), "planned_batch"
+      and "unknown_dims"}.
     """
-    import keras
-
-    from memsave.measure import peak_memory_bytes
-
     import contextlib
 
-    model = build_model(depth, width, classes, None if patched else checkpoints)
-    model.compile(optimizer=keras.optimizers.SGD(0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=jit_compile)
-    x, y = synthetic_batch(batch, width, classes)
+    import keras
+
+    import memsave
+    from memsave.measure import peak_memory_bytes
+
+    examples = examples or batch
+    net, x, y = _model_and_data(model, checkpoints, patched, depth, width, batch, classes,
+                                examples)
+    net.compile(optimizer=(keras.optimizers.Adam(1e-3) if optimizer == "adam"
+                           else keras.optimizers.SGD(0.05)),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=jit_compile)
+    context = contextlib.ExitStack()
     if patched:
-        import memsave
-        context = memsave.patch(checkpoints=checkpoints)
-    else:
-        context = contextlib.nullcontext()
+        context.enter_context(memsave.patch(checkpoints=checkpoints))
+    if plan_batch:
+        context.enter_context(memsave.batch_size(plan_batch, source="--plan-batch"))
+
+    def fit():
+        return net.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+
     with context:
-        first = model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
-        peak, history = peak_memory_bytes(
-            lambda: model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False))
-    return {"peak": int(peak),
-            "losses": [float(first.history["loss"][0]), float(history.history["loss"][0])]}
+        first = fit()
+        report = memsave.last_report() if checkpoints is not None else None
+        peak, history = peak_memory_bytes(fit)
+    result = {"peak": int(peak),
+              "losses": [float(first.history["loss"][0]), float(history.history["loss"][0])]}
+    if report is not None:
+        result.update(predicted=report.predicted_peak_bytes,
+                      predicted_baseline=report.baseline_peak_bytes,
+                      planned_batch=report.unknown_dim_size if report.unknown_dims else None,
+                      unknown_dims=report.unknown_dims)
+    return result
 
 
-def compare(strategies=("memory",), timeout=600, jobs=1, **sizes):
+def compare(strategies=("memory",), timeout=600, jobs=1, plan_batches=(None,), **sizes):
     """Plain Keras and each memsave strategy, each in its own process.
 
     Args:
@@ -118,59 +168,87 @@ def compare(strategies=("memory",), timeout=600, jobs=1, **sizes):
       timeout: seconds per process.
       jobs: processes run at once (peaks are per process, so running them side by
         side does not mix them; only wall time changes).
-      **sizes: depth, width, batch, classes, jit_compile.
+      plan_batches: memsave's rows for each (None: the batch fit is given; an int: planned
+        for that batch instead, measure_fit_step's plan_batch).
+      **sizes: depth, width, batch, classes, jit_compile, model, examples, optimizer
+        (see measure_fit_step).
     Returns:
       A list of rows {"config", "peak", "ratio", "losses"}: plain Keras first, then
       memsave.keras per strategy, then plain Keras under memsave.patch per strategy.
     """
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    configs = [(None, False)] + [(s, False) for s in strategies] + [(s, True) for s in strategies]
+    configs = [(None, False, None)] + [
+        (s, patched, planned) for patched in (False, True) for s in strategies
+        for planned in plan_batches]
 
     def run(config):
-        checkpoints, patched = config
+        checkpoints, patched, planned = config
         return measure.run_isolated(TARGET, timeout=timeout, env=env, checkpoints=checkpoints,
-                                    patched=patched, **sizes)
+                                    patched=patched, plan_batch=planned, **sizes)
 
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         results = list(pool.map(run, configs))
     base = results[0]
     rows = []
-    for (checkpoints, patched), result in zip(configs, results):
+    for (checkpoints, patched, planned), result in zip(configs, results):
         label = ("keras (GradientTape)" if checkpoints is None else
                  f"keras under memsave.patch ({checkpoints})" if patched else
                  f"memsave.keras ({checkpoints})")
-        rows.append({"config": label,
-                     "peak": result["peak"], "ratio": result["peak"] / base["peak"],
-                     "losses": result["losses"]})
+        if planned:
+            label += f", planned for batch {planned}"
+        rows.append(dict(result, config=label, ratio=result["peak"] / base["peak"]))
     return rows
 
 
 def format_rows(rows):
-    """The rows as a Markdown table."""
-    lines = ["| config | peak MiB | x keras | losses |", "|---|---:|---:|---|"]
+    """The rows as a Markdown table (memsave's rows with its prediction of the step's
+    gradients, the optimizer's update not included, and the batch it planned for)."""
+    lines = ["| config | peak MiB | x keras | predicted MiB (tf.gradients') | planned batch "
+             "| losses |", "|---|---:|---:|---|---:|---|"]
     for row in rows:
         losses = ", ".join(f"{v:.6f}" for v in row["losses"])
+        predicted = ("" if row.get("predicted") is None else
+                     f"{row['predicted'] / 2**20:.1f} ({row['predicted_baseline'] / 2**20:.1f})")
+        planned = "" if row.get("predicted") is None else str(row.get("planned_batch") or "static")
         lines.append(f"| {row['config']} | {row['peak'] / 2**20:.1f} | {row['ratio']:.2f} | "
-                     f"{losses} |")
+                     f"{predicted} | {planned} | {losses} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     """Command line: measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depth", type=int, default=DEFAULTS["depth"])
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp",
+                        help="a deep tanh MLP, or benchmarks.models' GPT from Keras layers")
+    parser.add_argument("--depth", type=int, default=None,
+                        help=f"layers (mlp, default {DEFAULTS['depth']}) or blocks (gpt, 6)")
     parser.add_argument("--width", type=int, default=DEFAULTS["width"])
-    parser.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"fit's batch_size (mlp: {DEFAULTS['batch']}, gpt: 8)")
+    parser.add_argument("--examples", type=int, default=None,
+                        help="examples per epoch (default: one batch, which Keras traces with "
+                             "a static batch; 2 x batch + 1 leaves a partial batch, and a "
+                             "step traced with a batch of None)")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--checkpoints", nargs="+", default=["memory"],
                         choices=["memory", "speed", "collection"])
+    parser.add_argument("--plan-batch", type=int, nargs="+", default=None,
+                        help="memsave rows planned for these batches instead of fit's (1: "
+                             "what memsave planned before it read fit's batch)")
     parser.add_argument("--jobs", type=int, default=1, help="processes run at once")
     parser.add_argument("--jit", action="store_true", help="compile with jit_compile=True (XLA)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    rows = compare(tuple(args.checkpoints), jobs=args.jobs, depth=args.depth, width=args.width,
-                   batch=args.batch, jit_compile=args.jit)
-    print(f"Keras fit step, {args.depth} x Dense({args.width}, tanh), batch {args.batch}"
-          + (", jit_compile=True (XLA)" if args.jit else ""))
+    gpt = args.model == "gpt"
+    depth = args.depth or (6 if gpt else DEFAULTS["depth"])
+    batch = args.batch or (8 if gpt else DEFAULTS["batch"])
+    rows = compare(tuple(args.checkpoints), jobs=args.jobs, depth=depth, width=args.width,
+                   batch=batch, jit_compile=args.jit, model=args.model,
+                   examples=args.examples, optimizer=args.optimizer,
+                   plan_batches=[None] + (args.plan_batch or []))
+    shape = f"GPT (Keras layers), {depth} blocks" if gpt else f"{depth} x Dense({args.width}, tanh)"
+    print(f"Keras fit epoch, {shape}, batch {batch}, {args.examples or batch} examples, "
+          f"{args.optimizer}" + (", jit_compile=True (XLA)" if args.jit else ""))
     print(format_rows(rows))
     return 0
 

@@ -115,6 +115,7 @@ class _Zygote:
 
     def __init__(self, env, cwd):
         zygote_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        self.owner_pid = os.getpid()  # a forked copy of this process must not share it
         self._lock = threading.Lock()
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _ZYGOTE, json.dumps(PRELOADED)], cwd=cwd, env=zygote_env,
@@ -145,6 +146,8 @@ class _Zygote:
                          reply["timed_out"])
 
     def close(self):
+        if self.owner_pid != os.getpid():
+            return  # the process that started it closes it
         if self._proc.poll() is None:
             self._proc.stdin.close()
             try:
@@ -156,6 +159,7 @@ class _Zygote:
 
 _zygotes = collections.OrderedDict()  # key -> _Zygote, least recently used first
 _zygotes_lock = threading.Lock()
+_unstartable = set()  # keys whose warm process could not start: spawn those
 
 
 def _zygote_key(env):
@@ -167,9 +171,15 @@ def _zygote_key(env):
 def _zygote_for(env, cwd):
     key = _zygote_key(env)
     with _zygotes_lock:
+        if key in _unstartable:
+            raise OSError("its warm process could not start before")
         zygote = _zygotes.pop(key, None)
-        if zygote is None:
-            zygote = _Zygote(env, cwd)
+        if zygote is None or zygote.owner_pid != os.getpid():
+            try:
+                zygote = _Zygote(env, cwd)
+            except OSError:
+                _unstartable.add(key)
+                raise
         _zygotes[key] = zygote
         while len(_zygotes) > _ZYGOTES_KEPT:
             _zygotes.popitem(last=False)[1].close()

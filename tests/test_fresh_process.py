@@ -90,3 +90,12 @@ def test_an_unknown_mode_is_refused_with_the_accepted_ones(monkeypatch):
     monkeypatch.setenv(fresh_process.MODE_ENV, "thread")
     with pytest.raises(MemsaveError, match="MEMSAVE_FRESH_PROCESS='thread'; expected 'fork'"):
         fresh_process.run_python("pass")
+
+
+def test_where_the_warm_process_cannot_start_runs_start_new_interpreters(monkeypatch):
+    monkeypatch.setattr(fresh_process, "_ZYGOTE", "import sys; sys.exit(0)")
+    monkeypatch.setattr(fresh_process, "_unstartable", set())
+    env = _env(TF_MEMSAVE_PROBE="cannot start")
+    for _ in range(2):
+        assert _shown(fresh_process.run_python(SHOW, env=env, timeout=60))["parent"] == os.getpid()
+    assert len(fresh_process._unstartable) == 1  # tried once, then no more

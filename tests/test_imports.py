@@ -2,7 +2,7 @@
 
 Read from the source (ast), every import counted, inside functions too: an import
 deferred into a function to dodge a circle is still a circle of the design.
-Layers, lowest first: errors, graph/, region, environment -> planner/ -> strategies/
+Layers, lowest first: errors, batch, fresh_process, graph/, region, environment -> planner/ -> strategies/
 -> backward, offload, aggregate, report, inputs -> planning -> build -> rewrite ->
 integrations/, calibration.
 """
@@ -34,6 +34,14 @@ FORBIDDEN = {
     "memsave.ordering": ["memsave.planner", "memsave.strategies", "memsave.planning",
                          "memsave.build", "memsave.rewrite"],
     "memsave.tape": ["memsave.integrations", "memsave.calibration"],
+    # The batch a step is planned for: read by rewrite, set by the Keras integration.
+    "memsave.batch": ["memsave.graph", "memsave.region", "memsave.planner", "memsave.strategies",
+                      "memsave.planning", "memsave.build", "memsave.rewrite",
+                      "memsave.integrations"],
+    # Processes for measurements: nothing of the rewrite.
+    "memsave.fresh_process": ["memsave.graph", "memsave.region", "memsave.planner",
+                              "memsave.strategies", "memsave.planning", "memsave.build",
+                              "memsave.rewrite", "memsave.integrations", "memsave.measure"],
 }
 
 
