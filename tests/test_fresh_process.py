@@ -19,11 +19,11 @@ print(json.dumps({"parent": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(),
 """
 
 PEAK = """
-import sys
+import os, sys
 import tensorflow as tf
 x = tf.random.normal([int(sys.argv[1])])
 y = tf.reduce_sum(tf.tanh(x) * 2.0)
-print(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+print(os.getppid(), tf.config.experimental.get_memory_info("CPU:0")["peak"])
 """
 
 
@@ -58,14 +58,33 @@ def test_a_variable_read_on_import_gets_a_warm_process_of_its_own():
     assert other["parent"] not in (first["parent"], os.getpid())
 
 
-def test_each_forked_run_starts_with_an_allocator_of_its_own():
+def test_each_forked_run_starts_with_an_allocator_of_its_own(monkeypatch):
     sizes = [4 << 20, 1 << 20]  # floats: 16 MiB, then 4 MiB
-    forked = [int(fresh_process.run_python(PEAK, [n], env=_env(), timeout=120).stdout)
-              for n in sizes]
-    spawned = [int(fresh_process.run_python(PEAK, [n], env=_env(MEMSAVE_FRESH_PROCESS="spawn"),
-                                            timeout=120).stdout) for n in sizes]
+
+    def peaks():
+        runs = [fresh_process.run_python(PEAK, [n], env=_env(), timeout=120).stdout.split()
+                for n in sizes]
+        return [int(parent) for parent, _ in runs], [int(peak) for _, peak in runs]
+
+    forked_parents, forked = peaks()
+    monkeypatch.setenv(fresh_process.MODE_ENV, "spawn")
+    spawned_parents, spawned = peaks()
+    assert os.getpid() not in forked_parents and spawned_parents == [os.getpid()] * 2
     # The second, smaller run does not report the first one's peak.
     assert forked == spawned and forked[1] < forked[0], (forked, spawned)
+
+
+def test_a_forked_run_has_a_main_module_of_its_own_and_runs_its_exit_handlers():
+    code = """
+import atexit, pickle
+class Point:
+    pass
+pickle.loads(pickle.dumps(Point()))  # finds Point in __main__
+atexit.register(print, "exit handler ran")
+"""
+    done = fresh_process.run_python(code, env=_env(), timeout=None)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exit handler ran"
 
 
 def test_failures_time_outs_and_signals_come_back_as_from_a_new_interpreter():
@@ -95,7 +114,33 @@ def test_an_unknown_mode_is_refused_with_the_accepted_ones(monkeypatch):
 def test_where_the_warm_process_cannot_start_runs_start_new_interpreters(monkeypatch):
     monkeypatch.setattr(fresh_process, "_ZYGOTE", "import sys; sys.exit(0)")
     monkeypatch.setattr(fresh_process, "_unstartable", set())
+    started = []
+    real = fresh_process._Zygote
+
+    def counted(*args):
+        started.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(fresh_process, "_Zygote", counted)
     env = _env(TF_MEMSAVE_PROBE="cannot start")
     for _ in range(2):
         assert _shown(fresh_process.run_python(SHOW, env=env, timeout=60))["parent"] == os.getpid()
-    assert len(fresh_process._unstartable) == 1  # tried once, then no more
+    assert len(started) == 1  # tried once, then no more
+
+
+def test_a_run_whose_warm_process_ends_under_it_is_killed_not_run_again(tmp_path):
+    marker = tmp_path / "ran"
+    code = f"""
+import os, time
+with open({str(marker)!r}, "a") as out:
+    out.write("ran\\n")
+if os.getppid() != {os.getpid()}:  # (never the test's own process)
+    os.kill(os.getppid(), 9)
+time.sleep(30)
+"""
+    env = _env(TF_MEMSAVE_PROBE="ends")
+    done = fresh_process.run_python(code, env=env, timeout=60)
+    assert done.returncode == -signal.SIGKILL and fresh_process._LOST in done.stderr
+    assert marker.read_text() == "ran\n"
+    # The next run gets a new warm process.
+    assert _shown(fresh_process.run_python(SHOW, env=env, timeout=60))["parent"] != os.getpid()

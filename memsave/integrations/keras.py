@@ -295,11 +295,10 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
 
 
 def _planned_fit(model):
-    fit = type(model).fit
-
     def planned_fit(*args, **kwargs):
         with keras_batch.planned_for_fit(model, args, kwargs):
-            return fit(model, *args, **kwargs)
+            # The class's fit at call time (memsave.patch may wrap it for a while).
+            return type(model).fit(model, *args, **kwargs)
 
     planned_fit.memsave_planned = True
     return planned_fit

@@ -6,7 +6,8 @@ batch found here (see memsave.batch), per replica under a distribution strategy:
 - arrays (NumPy, tensors, nests of them): `batch_size`, Keras' default 32, or the
   number of examples where that is fewer;
 - a `tf.data.Dataset`: its element_spec's batch where that is static, else the
-  leading dimension of its first element (read once, before `fit` starts);
+  leading dimension of its first element (read once, from an iterator of its own,
+  before `fit` starts; only where `fit` will trace its step);
 - a `keras.utils.PyDataset`: its first batch, `x[0]`;
 - anything else (a Python generator): unknown, since reading it would consume it.
 
@@ -90,7 +91,9 @@ def _per_replica(model, found):
 @contextlib.contextmanager
 def planned_for_fit(model, args, kwargs):
     """Plans the gradients traced inside for the batch of `model.fit(*args, **kwargs)`."""
-    if batch_lib.current() is not None:  # the caller's own memsave.batch_size wins
+    if batch_lib.current() is not None or getattr(model, "train_function", None) is not None:
+        # The caller's own memsave.batch_size wins; a step traced already is not traced
+        # again, so there is nothing to plan and no data is read ahead.
         yield
         return
     try:
