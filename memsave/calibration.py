@@ -123,8 +123,9 @@ def measure_timings(repeats=15):
             for index, graph in enumerate(graphs):
                 start = time.perf_counter()
                 graph(*args).numpy()
+                seconds = time.perf_counter() - start
                 if run:  # (the first run traces and warms up)
-                    best[index] = min(best[index], time.perf_counter() - start)
+                    best[index] = min(best[index], seconds)
         return max(best[0] - best[1], 0.0)
 
     # Each graph reduces its result to one number: what comes back costs nothing.

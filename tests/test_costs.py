@@ -2,8 +2,7 @@
 selects a Costs, and the calibration's arithmetic on given timings (what a machine
 measures belongs in benchmarks, not in an assertion)."""
 
-import dataclasses
-import math
+import types
 
 import numpy as np
 import pytest
@@ -119,17 +118,37 @@ def test_calibration_refuses_a_heavy_op_that_took_no_time(heavy_op):
         calibration.costs_from_timings(_timings(**{heavy_op: 0.0}))
 
 
-def test_calibrate_times_every_graph_it_prices_the_machine_by(monkeypatch):
-    """calibrate() runs each graph it times and hands the seconds to costs_from_timings
-    (what they come to depends on the machine and its load: no assertion on them)."""
-    seen = []
-    monkeypatch.setattr(calibration, "costs_from_timings",
-                        lambda timings, source: seen.append((timings, source)) or "costs")
-    assert memsave.calibrate(repeats=1, source="test") == "costs"
-    [(timings, source)] = seen
-    assert source == "test"
-    for field in dataclasses.fields(timings):
-        seconds = getattr(timings, field.name)
-        # (a difference measure_timings clamps at 0; how long it is depends on the machine)
-        assert isinstance(seconds, float) and math.isfinite(seconds) and seconds >= 0, (
-            field.name, seconds)
+class _FakeClock:
+    """perf_counter for measure_timings: every run of a measured graph takes `measured`
+    seconds, every run of its reference `reference` (they run alternately)."""
+
+    def __init__(self, measured, reference):
+        self.now, self.calls, self.durations = 0.0, 0, (measured, reference)
+
+    def __call__(self):
+        if self.calls % 2:  # the end of a run
+            self.now += self.durations[(self.calls // 2) % 2]
+        self.calls += 1
+        return self.now
+
+
+def test_measure_timings_runs_every_graph_and_keeps_what_it_takes_beyond_its_reference(
+        monkeypatch):
+    """The graphs run for real; the seconds come from a clock of the test's own (a real
+    one's figures depend on the machine and its load: they belong in benchmarks)."""
+    clock = _FakeClock(measured=3.0, reference=1.0)
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=clock))
+    timings = calibration.measure_timings(repeats=2)
+    for name in ("conv", "matmul", "relu", "add", "norm"):
+        assert getattr(timings, name) == 2.0, (name, timings)
+    assert timings.per_op == pytest.approx(2.0 / 800)  # chains of 1000 and 200 ops
+    assert timings.per_segment == pytest.approx(2.0 / 199)  # 199 segments' worth
+    # Seven measured graphs and their references, each traced once and run twice more.
+    assert clock.calls == 7 * 2 * 3 * 2
+
+
+def test_calibrate_prices_what_measure_timings_measured(monkeypatch):
+    given = _timings()
+    monkeypatch.setattr(calibration, "measure_timings", lambda repeats: given)
+    assert memsave.calibrate(repeats=1, source="test") == calibration.costs_from_timings(
+        given, "test")
