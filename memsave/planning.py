@@ -206,7 +206,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         kept, dropped = _select_checkpoints(selection.choices, region)
     kept, segmentation = _with_shared_tensors(kept, model.graph, region)
     common = dict(strategy=strategy_name, region=region, environment=environment,
-                  step_graph=model.graph, unknown_dim_source=problem.unknown_dim_source, dropped=tuple(dropped),
+                  step_graph=model.graph, unknown_dim_source=problem.unknown_dim_source,
+                  dropped=tuple(dropped),
                   baseline=model.baseline(allocator=True), calibrated=selection.calibrated)
     if not kept:
         return Plan(checkpoints=(), fallback=selection.plain or _no_checkpoints_message(

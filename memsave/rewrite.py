@@ -263,8 +263,9 @@ def _problem(region, environment, strategy, offload, unknown_dim_size=None):
     if size is None and calibration is not None:
         size = calibration.unknown_dim_size(region.ys[0].graph)
         source = None if size is None else "measured"
-    if size is None and batch_lib.current() is not None:
-        size, source = batch_lib.current()
+    active_batch = batch_lib.current() if size is None else None
+    if active_batch is not None:
+        size, source = active_batch
     return Problem(region, environment, size or 1, offload_lib.usable(offload, environment),
                    unknown_dim_source=source)
 

@@ -39,6 +39,7 @@ This module imports Keras; `import memsave` does not import it (use
 
 import dataclasses
 import logging
+import types
 
 import keras
 import tensorflow as tf
@@ -48,8 +49,8 @@ from keras.src.models.functional import Functional as _Functional
 
 from memsave import offload as offload_lib
 from memsave import rewrite as _rewrite
-from memsave.integrations import keras_batch
 from memsave.errors import MemsaveError
+from memsave.integrations import keras_batch
 from memsave.integrations.optimizers import check_checkpoints
 from memsave.strategies.planned import budget as _budget
 
@@ -289,19 +290,14 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
     # builds its train function from it.
     model.train_step = memsave_train_step
     if "fit" not in vars(model):
-        model.fit = _planned_fit(model)
+        model.fit = types.MethodType(keras_batch.fit_planned_for_its_batch(_class_fit), model)
     model.train_function = None
     return model
 
 
-def _planned_fit(model):
-    def planned_fit(*args, **kwargs):
-        with keras_batch.planned_for_fit(model, args, kwargs):
-            # The class's fit at call time (memsave.patch may wrap it for a while).
-            return type(model).fit(model, *args, **kwargs)
-
-    planned_fit.memsave_planned = True
-    return planned_fit
+def _class_fit(model, *args, **kwargs):
+    # The class's fit at call time (memsave.patch may wrap it for a while).
+    return type(model).fit(model, *args, **kwargs)
 
 
 def disable(model):
