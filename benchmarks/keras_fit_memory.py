@@ -120,8 +120,9 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
       jit_compile: compile's jit_compile (True: the step is compiled by XLA).
     Returns:
       {"peak": bytes, "losses": [first epoch's loss, measured epoch's loss], and, where
-      memsave planned the step, "predicted", "predicted_baseline" (bytes), "planned_batch"
-      and "unknown_dims"}.
+      memsave planned the step, "predicted", "predicted_baseline" (bytes), "planned_batch",
+      "unknown_dims", "beside" (what the plan held beside the gradients: the optimizer's
+      state) and "optimizer_bytes" (its variables' bytes)}.
     """
     import contextlib
 
@@ -156,7 +157,8 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
         result.update(predicted=report.predicted_peak_bytes,
                       predicted_baseline=report.baseline_peak_bytes,
                       planned_batch=report.unknown_dim_size if report.unknown_dims else None,
-                      unknown_dims=report.unknown_dims)
+                      unknown_dims=report.unknown_dims, beside=report.beside_bytes,
+                      optimizer_bytes=sum(int(v.numpy().nbytes) for v in net.optimizer.variables))
     return result
 
 

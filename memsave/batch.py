@@ -16,21 +16,11 @@ size came from.
 """
 
 import contextlib
-import threading
 
 from memsave.errors import MemsaveError
+from memsave.scoped import ScopedValues
 
-_local = threading.local()
-# Every thread's active sizes, latest last: tf.distribute traces each replica's step in
-# a thread of its own, inside the `fit` of another.
-_any_thread = []
-_any_thread_lock = threading.Lock()
-
-
-def _stack():
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
+_active = ScopedValues()
 
 
 def check_batch_size(value, what="batch_size"):
@@ -55,25 +45,12 @@ def batch_size(size, source=None):
       MemsaveError: if `size` is not a positive int.
     """
     check_batch_size(size)
-    entry = (size, source or f"memsave.batch_size({size})")
-    _stack().append(entry)
-    with _any_thread_lock:
-        _any_thread.append(entry)
-    try:
+    with _active.active((size, source or f"memsave.batch_size({size})")):
         yield size
-    finally:
-        _stack().pop()
-        with _any_thread_lock:
-            # This entry, not the last: another thread's may have come after it.
-            del _any_thread[max(i for i, e in enumerate(_any_thread) if e is entry)]
 
 
 def current():
     """(size, source) of this thread's innermost active `batch_size`; where this thread
     has none, the latest active in any thread (a replica's trace under tf.distribute);
     None where none is active."""
-    stack = _stack()
-    if stack:
-        return stack[-1]
-    with _any_thread_lock:
-        return _any_thread[-1] if _any_thread else None
+    return _active.current()

@@ -23,6 +23,7 @@ from memsave.environment import Environment
 from memsave.errors import MemsaveError, MemsaveWarning
 from memsave.graph import _tf_private, calls
 from memsave.graph.select import TensorSet
+from memsave.beside import Beside
 from memsave.planner.calibrated import Calibrated
 from memsave.planner.graph import RESIDENT, StepGraph
 from memsave.planner.loops import why_not_recomputed as why_loop_kept
@@ -83,6 +84,7 @@ class Plan:
         (memsave.planner.calibrated.Calibrated), or None.
       unknown_dim_source: where the size of unknown dimensions came from
         (memsave.planner.Problem.unknown_dim_source).
+      beside: what the step holds beside the gradients (memsave.beside.Beside), or None.
     """
     strategy: str
     region: ForwardRegion
@@ -108,6 +110,7 @@ class Plan:
     warn: bool = False
     calibrated: Optional[Calibrated] = None
     unknown_dim_source: Optional[str] = None
+    beside: Optional[Beside] = None
 
     @property
     def checkpoint_tensors(self):
@@ -141,8 +144,10 @@ class Plan:
             not_recomputable=[(op.name, why) for op, why in self.region.kept_ops],
             baseline_peak_bytes=baseline.device_peak_bytes, baseline_peak_at=baseline.device_peak_at,
             resident_bytes=baseline.resident_bytes, unknown_dims=len(graph.unknown_dims),
-            unknown_dim_size=graph.unknown_dim_size, unknown_dim_source=self.unknown_dim_source,
+            unknown_dim_size=int(graph.unknown_dim_size), unknown_dim_source=self.unknown_dim_source,
             fallback=self.fallback,
+            beside_bytes=self.beside.resident_bytes if self.beside else 0,
+            beside_source=self.beside.source if self.beside else None,
             reads_checkpoints=self.reads_checkpoints, recomputes_ahead=self.recomputes_ahead,
             orders_backward=self.orders_backward,
             loops=[(graph.ops[op].name, report_lib.loop_line(
@@ -207,6 +212,7 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
     kept, segmentation = _with_shared_tensors(kept, model.graph, region)
     common = dict(strategy=strategy_name, region=region, environment=environment,
                   step_graph=model.graph, unknown_dim_source=problem.unknown_dim_source,
+                  beside=problem.beside,
                   dropped=tuple(dropped),
                   baseline=model.baseline(allocator=True), calibrated=selection.calibrated)
     if not kept:

@@ -97,7 +97,10 @@ class RewriteReport:
     `measured_baseline_peak_bytes` is then tf.gradients' measured peak,
     `calibrated_peak_bytes` this plan's predicted peak so scaled (the measured one where
     plain tf.gradients answers), and `unknown_dim_size_measured` whether
-    `unknown_dim_size` came from the measurement.
+    `unknown_dim_size` came from the measurement. `beside_bytes` are what the training
+    step holds beside the gradients through the whole step (and with its update's
+    temporaries in both peaks), `beside_source` what they are (under Keras `fit`, the
+    optimizer's state: memsave.beside).
     """
     strategy: str
     region_ops: int
@@ -133,6 +136,8 @@ class RewriteReport:
     measured_baseline_peak_bytes: Optional[int] = None
     calibrated_peak_bytes: Optional[int] = None
     unknown_dim_size_measured: bool = False
+    beside_bytes: int = 0
+    beside_source: Optional[str] = None
 
     @property
     def kept_bytes(self):
@@ -208,6 +213,9 @@ class RewriteReport:
                      f"{_mb(self.measured_baseline_peak_bytes)} ({self.memory_calibration})")
         if self.unknown_dims:
             text += f" ({self.unknown_dims} tensors have unknown dimensions, {self._dims_text()})"
+        if self.beside_source:
+            text += (f"; with {_mb(self.beside_bytes)} held beside the gradients "
+                     f"({self.beside_source})")
         return text
 
     def _dims_text(self):

@@ -18,6 +18,7 @@ import warnings
 import tensorflow as tf
 
 from memsave import batch as batch_lib
+from memsave import beside as beside_lib
 from memsave import build as build_lib
 from memsave import inputs
 from memsave import offload as offload_lib
@@ -256,7 +257,8 @@ def _problem(region, environment, strategy, offload, unknown_dim_size=None):
     (memsave.plan), else what the strategy's memory calibration measured them to be
     (memsave.budget(..., calibration=)), else the batch of an active memsave.batch_size
     (which memsave.keras sets from what `fit` is given), else 1; offload is the call's
-    (None under XLA, with a warning)."""
+    (None under XLA, with a warning); what the step holds beside the gradients that of an
+    active memsave.beside.holding (memsave.keras: the optimizer's state)."""
     size = getattr(strategy, "unknown_dim_size", None) or unknown_dim_size
     source = None if size is None else "given"
     calibration = getattr(strategy, "calibration", None)
@@ -267,7 +269,7 @@ def _problem(region, environment, strategy, offload, unknown_dim_size=None):
     if active_batch is not None:
         size, source = active_batch
     return Problem(region, environment, size or 1, offload_lib.usable(offload, environment),
-                   unknown_dim_source=source)
+                   unknown_dim_source=source, beside=beside_lib.current())
 
 
 _UNCONNECTED = "none of the ys depends on any of the xs"

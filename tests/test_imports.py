@@ -2,7 +2,7 @@
 
 Read from the source (ast), every import counted, inside functions too: an import
 deferred into a function to dodge a circle is still a circle of the design.
-Layers, lowest first: errors, batch, fresh_process, graph/, region, environment -> planner/ -> strategies/
+Layers, lowest first: scoped, errors, batch, beside, fresh_process, graph/, region, environment -> planner/ -> strategies/
 -> backward, offload, aggregate, report, inputs -> planning -> build -> rewrite ->
 integrations/, calibration.
 """
@@ -38,6 +38,13 @@ FORBIDDEN = {
     "memsave.batch": ["memsave.graph", "memsave.region", "memsave.planner", "memsave.strategies",
                       "memsave.planning", "memsave.build", "memsave.rewrite",
                       "memsave.integrations"],
+    # What a training step holds beside its gradients, and the scoped values both use.
+    "memsave.beside": ["memsave.graph", "memsave.region", "memsave.planner", "memsave.strategies",
+                       "memsave.planning", "memsave.build", "memsave.rewrite",
+                       "memsave.integrations"],
+    "memsave.scoped": ["memsave.errors", "memsave.batch", "memsave.beside", "memsave.graph",
+                       "memsave.region", "memsave.planner", "memsave.rewrite",
+                       "memsave.integrations"],
     # Processes for measurements: nothing of the rewrite.
     "memsave.fresh_process": ["memsave.graph", "memsave.region", "memsave.planner",
                               "memsave.strategies", "memsave.planning", "memsave.build",

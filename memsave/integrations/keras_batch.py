@@ -1,4 +1,5 @@
-"""The batch Keras 3 `fit` runs its steps with, read from what `fit` is given.
+"""What Keras 3 `fit` runs its steps with: the batch, read from what `fit` is given,
+and the optimizer's state held beside the gradients (`optimizer_state`, memsave.beside).
 
 Keras traces its train function with a batch of None; memsave plans that step for the
 batch found here (see memsave.batch), per replica under a distribution strategy:
@@ -24,10 +25,13 @@ import keras
 import tensorflow as tf
 
 from memsave import batch as batch_lib
+from memsave import beside as beside_lib
 
 _log = logging.getLogger(__name__)
 
 KERAS_DEFAULT_BATCH = 32
+# Temporaries of an optimizer's update of one weight, in its gradient's bytes (optimizer_state).
+UPDATE_TEMPORARIES = 2
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
 
@@ -80,35 +84,73 @@ def fit_batch_size(x=None, batch_size=None, validation_split=0.0):
     return asked, source
 
 
+def _replicas(model):
+    return getattr(getattr(model, "distribute_strategy", None), "num_replicas_in_sync", 1)
+
+
 def _per_replica(model, found):
-    replicas = getattr(getattr(model, "distribute_strategy", None), "num_replicas_in_sync", 1)
+    replicas = _replicas(model)
     if not found or replicas <= 1:
         return found
     size, source = found
     return math.ceil(size / replicas), f"{source}, over {replicas} replicas"
 
 
+def optimizer_state(model):
+    """What `model`'s optimizer holds beside the gradients in `fit`'s step, or None.
+
+    Its variables (slots such as Adam's two per weight, its iteration count; one copy
+    per replica under a strategy) are alive through the step. Updating a weight makes
+    temporaries the size of its gradient (Adam's new moments and step: counted as
+    UPDATE_TEMPORARIES of them). Keras updates each weight as soon as its gradient is
+    made, freeing it then, except where the update needs every gradient first: a loss
+    scale (mixed precision) checks them all, a global norm clips them together, and
+    replicas sum them together. Asked when the step plans, after `fit` has built the
+    optimizer.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    variables = list(optimizer.variables)
+    waits_for_all = (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                     or getattr(optimizer, "global_clipnorm", None) is not None
+                     or _replicas(model) > 1)
+    return beside_lib.Beside(
+        resident_sizes=tuple(_variable_bytes(v) for v in variables),
+        source=f"{type(optimizer).__name__}'s {len(variables)} variables and its update",
+        update_temporaries=UPDATE_TEMPORARIES, updates_each_gradient=not waits_for_all)
+
+
+def _variable_bytes(variable):
+    return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
+
+
 @contextlib.contextmanager
 def planned_for_fit(model, args, kwargs):
-    """Plans the gradients traced inside for the batch of `model.fit(*args, **kwargs)`."""
-    if batch_lib.current() is not None or getattr(model, "train_function", None) is not None:
-        # The caller's own memsave.batch_size wins; a step traced already is not traced
-        # again, so there is nothing to plan and no data is read ahead.
+    """Plans the gradients traced inside for the batch of `model.fit(*args, **kwargs)`,
+    with the model's optimizer state held beside them."""
+    if getattr(model, "train_function", None) is not None:
+        # A step traced already is not traced again: there is nothing to plan, and no
+        # data is read ahead.
         yield
         return
-    try:
-        arguments = _FIT_SIGNATURE.bind(model, *args, **kwargs).arguments
-    except TypeError:  # let fit itself say what is wrong with its arguments
-        arguments = {}
-    found = _per_replica(model, fit_batch_size(
-        arguments.get("x"), arguments.get("batch_size"), arguments.get("validation_split")))
-    if found is None:
-        _log.info("memsave: fit's batch is unknown before it runs (a generator?); "
-                  "wrap fit in memsave.batch_size(n) to plan for it")
-        yield
-        return
-    with batch_lib.batch_size(*found):
-        yield
+    with beside_lib.holding(lambda: optimizer_state(model)):
+        if batch_lib.current() is not None:  # the caller's own memsave.batch_size wins
+            yield
+            return
+        try:
+            arguments = _FIT_SIGNATURE.bind(model, *args, **kwargs).arguments
+        except TypeError:  # let fit itself say what is wrong with its arguments
+            arguments = {}
+        found = _per_replica(model, fit_batch_size(
+            arguments.get("x"), arguments.get("batch_size"), arguments.get("validation_split")))
+        if found is None:
+            _log.info("memsave: fit's batch is unknown before it runs (a generator?); "
+                      "wrap fit in memsave.batch_size(n) to plan for it")
+            yield
+            return
+        with batch_lib.batch_size(*found):
+            yield
 
 
 def fit_planned_for_its_batch(fit):

@@ -16,7 +16,7 @@ from memsave.environment import Environment
 from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
-from memsave.planner import call_gradients, costs, custom_gradients, opinfo, xla_buffers
+from memsave.planner import call_gradients, costs, custom_gradients, opinfo, shapes, xla_buffers
 from memsave.planner.loops import list_length, loop_memory, recomputed, tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -174,12 +174,15 @@ class StepGraph:
         if environment is None:
             environment = Environment.read(region.ys[0].graph)
         step = cls()
-        step.unknown_dim_size = unknown_dim_size
         step.loop_mode = environment.recompute_loops
         step.conv_threads = environment.conv_threads
         step.inter_op_threads = environment.inter_op_threads
         step.xla_cpu = environment.kernels is not None  # (no GPU: XLA compiles for the CPU)
         ops = _forward_ops_in_order(region.ys)
+        # A batch of None, counted as the batch where TensorFlow says what follows from it
+        # (a flattened [batch * length, vocab] is not [batch, vocab]).
+        unknown_dim_size = shapes.inferred(ops, unknown_dim_size)
+        step.unknown_dim_size = unknown_dim_size
         kept = {op for op, _ in region.kept_ops}
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))

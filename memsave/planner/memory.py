@@ -48,6 +48,8 @@ from memsave.planner.graph import KEPT, REGION, RESIDENT
 from memsave.planner.segments import LAST, Segmentation
 
 _FOREVER = 1 << 62
+# The kind of the buffers a training step holds beside the gradients (memsave.beside).
+BESIDE = "beside"
 _BASELINE = "baseline"  # the prediction key of plain tf.gradients
 
 
@@ -66,7 +68,8 @@ class Prediction:
       segments: number of recomputed segments.
       recomputed_ops: copies that run (Segmentation.executed), over all segments.
       breakdown: bytes alive at the peak by kind ('resident', 'forward',
-        'recomputed', 'offloaded back', 'gradients', 'gradients of xs').
+        'recomputed', 'offloaded back', 'gradients', 'gradients of xs', 'beside':
+        what the training step holds beside them, memsave.beside).
       host_bytes: bytes of offloaded checkpoints, held in host memory (not counted in
         peak_bytes, which is the device's).
       moved_bytes: bytes copied to the host and back per step.
@@ -211,12 +214,15 @@ class _Timeline:
 class _Gradients:
     """Gradient buffers: contributions, their sum, and when they are consumed."""
 
-    def __init__(self, graph, timeline, expected):
+    def __init__(self, graph, timeline, expected, beside=None):
         self.graph = graph
         self.timeline = timeline
         self.expected = expected
         self.parts = {}
         self.total = {}
+        # An update consuming each x's gradient as it is made (memsave.beside.Beside).
+        self.updates_each = beside is not None and beside.updates_each_gradient
+        self.update_temporaries = beside.update_temporaries if beside is not None else 0
 
     def seed(self, tid, step):
         self._contribute(tid, self.graph.size[tid], step, None)
@@ -238,8 +244,20 @@ class _Gradients:
             else:
                 self.total[tid] = timeline.buffer(step, nbytes, kind, tid)
             if self.graph.is_x[tid]:
-                timeline.use(self.total[tid], _FOREVER)
+                self._completed_x(tid, nbytes, step)
         return None if shares is not None else buffer
+
+    def _completed_x(self, tid, nbytes, step):
+        """An x's gradient is a result: alive to the end of the step, or, where a
+        training step updates each weight as its gradient is made, read there by the
+        update, whose temporaries are alive with it."""
+        if not self.updates_each:
+            self.timeline.use(self.total[tid], _FOREVER)
+            return
+        temporaries = int(self.update_temporaries * nbytes)
+        if temporaries:
+            self.timeline.buffer(step, temporaries, BESIDE, tid,
+                                 pieces=max(1, round(self.update_temporaries)))
 
     def complete(self, tids):
         """Whether the gradients of `tids` (a non-empty list) have all arrived."""
@@ -270,21 +288,24 @@ def _contribution_counts(graph):
 class MemoryModel:
     """Predicts the peak of the plain and the rewritten step of one StepGraph."""
 
-    def __init__(self, graph, allocator=None):
+    def __init__(self, graph, allocator=None, beside=None):
         """Args:
           graph: the StepGraph.
           allocator: a memsave.planner.allocator.Allocator to replay predictions
             through on request (None: live tensors only).
+          beside: a memsave.beside.Beside, what the training step holds beside the
+            gradients (an optimizer's slots, its update), or None.
         """
         self.graph = graph
         self.allocator = allocator
+        self.beside = beside
         self.path_ops = [i for i, k in enumerate(graph.kind) if k in (REGION, KEPT)]
         self.forward_flops = int(sum(graph.cost[op] + graph.costs.op_overhead
                                      for op in graph.region_op_ids()))
         self._predictions = {}  # key (checkpoints, offloaded, ...) or _BASELINE -> Prediction
         self._last = (None, None, None)  # (key, timeline, segmentation) simulated last
         self._expected = _contribution_counts(graph)
-        self._resident = graph.resident_bytes()
+        self._resident = graph.resident_bytes() + (beside.resident_bytes if beside else 0)
         # The forward pass is the same for every plan but where a plan keeps the buffer
         # a kernel would write into (_unforwardable): simulated once per such set.
         self._forward_passes = {}  # frozenset of unforwardable outputs -> _ForwardPass
@@ -377,6 +398,10 @@ class MemoryModel:
 
     def _owner_name(self, owner, kind):
         graph = self.graph
+        if kind == BESIDE and owner >= 0:
+            return f"the update of {graph.tensors[owner].name} ({self.beside.source})"
+        if kind == BESIDE:
+            return f"held beside the gradients: {self.beside.source}"
         if owner < 0 and kind == "loop":
             return f"what the gradient of loop {graph.ops[-owner - 1].name} keeps per iteration"
         if owner < 0 and kind in ("forward", "recomputed"):
@@ -419,7 +444,7 @@ class MemoryModel:
                 for op in segmentation.executed(head):
                     if op in self._folded_buffers:
                         timeline.bytes[self._folded_buffers[op]] = 0
-        gradients = _Gradients(graph, timeline, self._expected)
+        gradients = _Gradients(graph, timeline, self._expected, self.beside)
         start = timeline.step(("seed", None, None))
         for tid, is_y in enumerate(graph.is_y):
             if is_y:
@@ -434,6 +459,7 @@ class MemoryModel:
                 segmentation, forward, gradients, timeline, offloaded, prefetch, ahead)
         self._settle_call_runs(timeline)
         self._forward_gradients_into_dying(timeline)
+        self._hold_beside(timeline)
         out_bytes = sum(graph.size[t] for t in offloaded)
         back_bytes = sum(graph.size[t] for t in back)
         peak, at = timeline.peak()
@@ -457,14 +483,40 @@ class MemoryModel:
             recomputes_ahead=segmentation is not None and ahead,
             **(self._replayed(timeline, segmentation) if replay else {}))
 
+    def _hold_beside(self, timeline):
+        """What the training step holds beside the gradients: resident from the start,
+        and, where the update waits for every gradient, its temporaries (of the largest
+        weight) in a step of its own after the last gradient, while every gradient of
+        an x is alive (they live _FOREVER). (An update of each gradient as it is made is
+        simulated as it arrives: _Gradients._completed_x.)"""
+        if self.beside is None:
+            return
+        beside, graph = self.beside, self.graph
+        owner = -(len(graph.ops) + 1)  # (no op's: _owner_name names it)
+        for nbytes in beside.resident_sizes:
+            timeline.buffer(0, nbytes, BESIDE, owner, _FOREVER)
+        largest = max((graph.size[t] for t, is_x in enumerate(graph.is_x) if is_x), default=0)
+        if beside.update_temporaries and not beside.updates_each_gradient and largest:
+            update = timeline.step(("update", None, None))
+            timeline.buffer(update, int(beside.update_temporaries * largest), BESIDE, owner,
+                            pieces=max(1, round(beside.update_temporaries)))
+
     def _replayed(self, timeline, segmentation):
         """The Prediction fields of the step replayed through the allocator (none without one)."""
         if self.allocator is None:
             return {}
         resident = [kind == "resident" for kind in timeline.kinds]
-        held, at = allocator_lib.replayed_peak(self.allocator, timeline.starts, timeline.ends,
-                                               timeline.bytes, resident, len(timeline.labels),
-                                               timeline.pieces)
+        # What is held beside the step through it (an optimizer's slots) is added, not
+        # replayed: replayed first, it took the regions the step's tensors later fit in,
+        # and the GPT of benchmarks/keras_fit_memory.py under Adam was predicted 314.5
+        # MiB where 231-252 were measured (259.4 so; AMD EPYC without AVX-512).
+        beside = [kind == BESIDE and end >= _FOREVER
+                  for kind, end in zip(timeline.kinds, timeline.ends)]
+        held, at = allocator_lib.replayed_peak(
+            self.allocator, timeline.starts, timeline.ends,
+            [0 if out else nbytes for out, nbytes in zip(beside, timeline.bytes)],
+            resident, len(timeline.labels), timeline.pieces)
+        held += sum(nbytes for out, nbytes in zip(beside, timeline.bytes) if out)
         return {"allocator_peak_bytes": held,
                 "allocator_peak_at": self.describe(timeline.labels[at], segmentation)}
 
@@ -860,6 +912,8 @@ class MemoryModel:
 
     def describe(self, label, segmentation):
         phase, op, index = label
+        if phase == "update":
+            return f"the update after the last gradient ({self.beside.source})"
         if phase == "segment":
             return f"start of segment {index + 1} of {len(segmentation.order)}"
         if op is None:

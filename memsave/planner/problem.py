@@ -7,10 +7,11 @@ from memsave.planner.graph import StepGraph
 from memsave.planner.memory import MemoryModel
 
 
-def memory_model(region, environment, unknown_dim_size=1, defer=True):
-    """The MemoryModel of `region`'s step in `environment`."""
+def memory_model(region, environment, unknown_dim_size=1, defer=True, beside=None):
+    """The MemoryModel of `region`'s step in `environment`, with `beside` (a
+    memsave.beside.Beside or None) held beside its gradients."""
     graph = StepGraph.build(region, environment, unknown_dim_size, defer)
-    return MemoryModel(graph, allocator=allocator.named(environment.allocator))
+    return MemoryModel(graph, allocator=allocator.named(environment.allocator), beside=beside)
 
 
 class Problem:
@@ -29,12 +30,15 @@ class Problem:
         an active memsave.batch_size (e.g. "fit's batch_size=8"), or None (1, assumed).
       offload: the call's memsave.Offload where it can offload (memsave.offload.usable:
         not under XLA), else None.
+      beside: what the training step holds beside the gradients (memsave.beside.Beside:
+        an optimizer's state under Keras `fit`), or None.
       model: the MemoryModel of the step, built on first use.
     """
 
     def __init__(self, region, environment, unknown_dim_size=1, offload=None,
-                 unknown_dim_source=None):
+                 unknown_dim_source=None, beside=None):
         self.region = region
+        self.beside = beside
         self.environment = environment
         self.unknown_dim_size = unknown_dim_size
         self.unknown_dim_source = unknown_dim_source
@@ -46,7 +50,8 @@ class Problem:
     def model(self):
         if self._model is None:
             self._model = memory_model(self.region, self.environment, self.unknown_dim_size,
-                                       defer=not self.environment.gate_gradients)
+                                       defer=not self.environment.gate_gradients,
+                                       beside=self.beside)
         return self._model
 
     @property
