@@ -18,8 +18,8 @@ returned, so the parent can check that memsave trains exactly like Keras.
 
 Columns: peak MiB (allocator peak during the measured epoch: weights, optimizer state,
 data, activations, gradients), x keras (that peak divided by plain Keras'), predicted
-MiB (memsave's prediction of the step's gradients, and of tf.gradients' in brackets;
-neither includes the optimizer's slots or update), planned batch (what unknown
+MiB (memsave's prediction of the step, and of tf.gradients' in brackets, both with the
+optimizer's state and update: memsave.beside), planned batch (what unknown
 dimensions were counted as; "static" where Keras knew the batch), losses.
 """
 

@@ -23,6 +23,7 @@ from memsave.integrations.patch import patch  # noqa: E402
 from memsave.calibration import calibrate, calibrate_memory  # noqa: E402
 from memsave.tape import GradientTape  # noqa: E402
 from memsave.batch import batch_size  # noqa: E402
+from memsave.capacity import Capacity, max_batch_size  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "RewriteReport", "last_report", "plan", "MemsaveWarning",
     "patch", "gradient_function", "MemsaveOptimizer", "budget", "always_rewrite", "Offload",
     "calibrate", "calibrate_memory", "GradientTape", "recompute_loops", "batch_size",
+    "max_batch_size", "Capacity",
 ]
 
 

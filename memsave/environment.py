@@ -13,6 +13,7 @@ from typing import Optional
 import tensorflow as tf
 
 from memsave.graph import _tf_private
+from memsave.scoped import ScopedValues
 
 # Which kernels run a step's ops on a machine without a GPU.
 ONEDNN, EIGEN = "onednn", "eigen"
@@ -145,7 +146,22 @@ def _inter_op_threads(kernels, under_xla):
     return max(1, min(configured, MAX_SIDE_BY_SIDE))
 
 
+# The allocator a device whose memory is capped holds it with: one region, as a GPU's
+# (memsave.capacity plans for such a device on a CPU too).
+ONE_REGION = "BFC (one region)"
+_assumed_allocator = ScopedValues()
+
+
+def assuming_allocator(name):
+    """A context manager: calls read inside it plan for allocator `name` (e.g.
+    ONE_REGION) instead of this process's."""
+    return _assumed_allocator.active(name)
+
+
 def _allocator(accelerator):
+    assumed = _assumed_allocator.current()
+    if assumed is not None:
+        return assumed
     if accelerator:
         growing = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true"
         return "BFC (GPU, growing)" if growing else "BFC (GPU)"

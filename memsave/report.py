@@ -6,6 +6,7 @@ graph. The same facts go to the 'memsave' logger at INFO (summary) and DEBUG
 (every checkpoint and segment).
 """
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -289,8 +290,23 @@ def record(report):
     """Makes `report` the one `last_report()` returns (per thread) and logs it."""
     _latest.report = report
     _latest_of_any_thread[0] = report
+    for collected in getattr(_latest, "collecting", ()):
+        collected.append(report)
     report.log()
     return report
+
+
+@contextlib.contextmanager
+def collecting():
+    """Yields a list that receives every report this thread records inside the block."""
+    collected = []
+    if not hasattr(_latest, "collecting"):
+        _latest.collecting = []
+    _latest.collecting.append(collected)
+    try:
+        yield collected
+    finally:
+        _latest.collecting.remove(collected)
 
 
 def last_report():

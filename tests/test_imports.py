@@ -34,6 +34,9 @@ FORBIDDEN = {
     "memsave.ordering": ["memsave.planner", "memsave.strategies", "memsave.planning",
                          "memsave.build", "memsave.rewrite"],
     "memsave.tape": ["memsave.integrations", "memsave.calibration"],
+    # What batch fits: traces steps that call memsave; nothing of the integrations.
+    "memsave.capacity": ["memsave.integrations", "memsave.calibration", "memsave.planning",
+                         "memsave.build"],
     # The batch a step is planned for: read by rewrite, set by the Keras integration.
     "memsave.batch": ["memsave.graph", "memsave.region", "memsave.planner", "memsave.strategies",
                       "memsave.planning", "memsave.build", "memsave.rewrite",

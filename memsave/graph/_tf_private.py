@@ -485,3 +485,14 @@ def resource_value(handle):
         return None
     shape_and_type = data.shape_and_type[0]
     return tensor_shape.TensorShape(shape_and_type.shape), dtypes.as_dtype(shape_and_type.dtype)
+
+
+def gpu_memory_bytes():
+    """The bytes TensorFlow's allocator may take on GPU:0 (its virtual device's limit, or
+    what TensorFlow found free when it started the device), or None without a GPU. No
+    public API says it: device_lib lists the devices with their `memory_limit`."""
+    from tensorflow.python.client import device_lib
+    for device in device_lib.list_local_devices():
+        if device.device_type == "GPU":
+            return int(device.memory_limit)
+    return None

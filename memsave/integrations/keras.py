@@ -47,6 +47,7 @@ import tensorflow as tf
 # keras.Model) keeps Keras from rewriting MemsaveModel's bases on first use.
 from keras.src.models.functional import Functional as _Functional
 
+from memsave import capacity
 from memsave import offload as offload_lib
 from memsave import rewrite as _rewrite
 from memsave.errors import MemsaveError
@@ -293,6 +294,61 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
         model.fit = types.MethodType(keras_batch.fit_planned_for_its_batch(_class_fit), model)
     model.train_function = None
     return model
+
+
+def max_batch_size(model, memory_limit=None, x=None, y=None, sample_weight=None,
+                   checkpoints=DEFAULT_CHECKPOINTS, max_batch=capacity.MAX_BATCH,
+                   headroom=capacity.HEADROOM):
+    """The largest batch `model.fit` is predicted to train with in `memory_limit`, with
+    memsave and with plain Keras, before anything runs.
+
+    Traces (does not run) the model's train step once per batch tried, as `fit` would
+    run it with memsave (memsave.keras.train_step), the optimizer's state and update
+    included (keras_batch.optimizer_state); each trace's report gives memsave's and
+    plain tf.gradients' predicted peaks (memsave.capacity).
+
+        capacity = memsave.keras.max_batch_size(model, "8GiB", x=x[:1], y=y[:1])
+        model.fit(x, y, batch_size=capacity.batch_size)   # with memsave.keras / the patch
+        print(capacity.summary())
+
+    Args:
+      model: a compiled keras.Model (TensorFlow backend), built.
+      memory_limit: bytes or text ("8GiB"); None: the device's (a GPU's memory, or the
+        CPU allocator's cap).
+      x, y, sample_weight: some of the data `fit` will get (any number of examples: only
+        their shapes past the batch and dtypes are read), or a tf.data.Dataset of it;
+        without x, a functional model's inputs (then give y where the loss needs it).
+      checkpoints: memsave's strategy, as for MemsaveModel.
+      max_batch: the largest batch to try.
+      headroom: the share of the limit the answers leave free (default 5%: a step's
+        peak moves a little from run to run).
+    Returns:
+      A memsave.capacity.Capacity: `batch_size`, `baseline_batch_size`, `peaks` (per
+      batch traced), `summary()`.
+    Raises:
+      MemsaveError: an uncompiled or unbuilt model, a bad limit, no limit known.
+    """
+    _check_backend()
+    check_checkpoints(checkpoints)
+    if getattr(model, "optimizer", None) is None:
+        raise MemsaveError("max_batch_size needs a compiled model: call model.compile("
+                           "optimizer=..., loss=...) first")
+    if not model.built:
+        raise MemsaveError("max_batch_size needs a built model: call it once on a batch, or "
+                           "build it (model.build(input_shape)) first")
+    if x is None and not getattr(model, "inputs", None):
+        raise MemsaveError("max_batch_size needs x= (some examples of fit's data) for a "
+                           "model without keras.Input tensors")
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)  # (as fit does before tracing)
+    signature = keras_batch.data_signature(x, y, sample_weight, getattr(model, "inputs", None))
+
+    def step(data):
+        return train_step(model, data, checkpoints)
+
+    return capacity.max_batch_size(step, [signature], memory_limit,
+                                   optimizer_state=lambda: keras_batch.optimizer_state(model),
+                                   max_batch=max_batch, headroom=headroom)
 
 
 def _class_fit(model, *args, **kwargs):

@@ -84,6 +84,33 @@ def fit_batch_size(x=None, batch_size=None, validation_split=0.0):
     return asked, source
 
 
+def data_signature(x, y=None, sample_weight=None, inputs=None):
+    """The input signature of a Keras train step's `data` for one batch of `x`, `y`
+    (arrays, tensors or nests of them, any number of examples; or a tf.data.Dataset,
+    whose elements are that data) with the batch left None; without `x`, a functional
+    model's `inputs` (its keras.Input tensors) give it.
+
+    Returns:
+      A nest of tf.TensorSpec as `train_step` receives its data: x, (x, y) or
+      (x, y, sample_weight).
+    """
+    if isinstance(x, tf.data.Dataset):
+        return tf.nest.map_structure(_unbatched_spec, x.element_spec)
+    if x is None and inputs is not None:
+        x = inputs if len(inputs) > 1 else inputs[0]
+    data = (x,) + tuple(d for d in (y, sample_weight) if d is not None)
+    specs = tf.nest.map_structure(_unbatched_spec, data)
+    return specs[0] if len(specs) == 1 else specs
+
+
+def _unbatched_spec(leaf):
+    """A tf.TensorSpec of an array-like leaf (or a spec) with its leading dimension None."""
+    shape = leaf.shape if not isinstance(leaf.shape, tf.TensorShape) else leaf.shape.as_list()
+    shape = list(shape)
+    dtype = tf.as_dtype(getattr(leaf.dtype, "name", leaf.dtype))
+    return tf.TensorSpec([None] + shape[1:] if shape else shape, dtype)
+
+
 def _replicas(model):
     return getattr(getattr(model, "distribute_strategy", None), "num_replicas_in_sync", 1)
 

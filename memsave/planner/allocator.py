@@ -36,9 +36,15 @@ class Allocator:
       name: for reports, e.g. 'BFC (CPU, growing)'.
       first_region: bytes of the first region it reserves; later regions double
         (TensorFlow's allow_growth), or one region holds everything.
+      needs_extent: what a step needs of it is the highest address a chunk reaches in
+        its one region, not the bytes in use: a device whose memory is one region of a
+        limit serves a request only where a free chunk of that region fits it, so a
+        step whose chunks the best fit scatters runs out below the bytes it uses
+        (the one-region allocator memsave.capacity plans for).
     """
     name: str
     first_region: int
+    needs_extent: bool = False
 
 
 def named(name):
@@ -47,7 +53,8 @@ def named(name):
     if name is None:
         return None
     growing = "growing" in name
-    return Allocator(name, _FIRST_GROWTH_REGION if growing else _WHOLE_DEVICE)
+    return Allocator(name, _FIRST_GROWTH_REGION if growing else _WHOLE_DEVICE,
+                     needs_extent="one region" in name)
 
 
 def of_device():
@@ -70,6 +77,7 @@ class _BestFit:
         self.end_of_regions = 0
         self.in_use = 0
         self.peak = 0
+        self.extent = 0  # the highest end of a chunk in use
 
     def allocate(self, nbytes):
         """Returns the address of the chunk serving a request of `nbytes`."""
@@ -86,6 +94,7 @@ class _BestFit:
         self.used[address] = size
         self.in_use += size
         self.peak = max(self.peak, self.in_use)
+        self.extent = max(self.extent, address + size)
         return address
 
     def release(self, address):
@@ -137,7 +146,8 @@ MAX_PIECES = 128
 
 def replayed_peak(allocator, starts, ends, sizes, resident, steps, pieces=None):
     """(peak bytes in use, the step it is reached at) of the allocator during the second
-    of two identical steps.
+    of two identical steps (of an allocator that `needs_extent`: the highest end of a
+    chunk instead).
 
     Args:
       allocator: an Allocator.
@@ -162,14 +172,16 @@ def replayed_peak(allocator, starts, ends, sizes, resident, steps, pieces=None):
         made_at[start].append(buffer)
         if end < steps:
             freed_at[end].append(buffer)
+    needed = "extent" if allocator.needs_extent else "peak"
     for _ in range(2):
+        # (The extent is of both steps: the region serves the first too.)
         state.peak, at = state.in_use, 0
         address = {}
         for step in range(steps):
             for buffer in made_at[step]:
-                before = state.peak
+                before = getattr(state, needed)
                 address[buffer] = [state.allocate(request) for request in requests[buffer]]
-                if state.peak > before:
+                if getattr(state, needed) > before:
                     at = step
             for buffer in freed_at[step]:
                 for chunk in address.pop(buffer):
@@ -177,7 +189,7 @@ def replayed_peak(allocator, starts, ends, sizes, resident, steps, pieces=None):
         for left in address.values():  # returned at the step's end (the gradients)
             for chunk in left:
                 state.release(chunk)
-    return state.peak, at
+    return getattr(state, needed), at
 
 
 def _requests(nbytes, pieces):

@@ -1,0 +1,321 @@
+"""What batch fits: the largest batch a training step is predicted to run with in a
+memory limit, with memsave's plan and with plain TensorFlow, before anything runs.
+
+The memory model predicts a step's peak from its graph; traced for a given batch (every
+input's leading dimension set to it), the step's report gives memsave's peak and plain
+tf.gradients' for that batch. A step's peak grows with its batch, so the largest batch
+within the limit is found by doubling, then halving the interval, about 2 log2(batch)
+traces; each traced batch is a row of the answer's table.
+
+    capacity = memsave.max_batch_size(step, [tf.TensorSpec([None, 784]), ...], "8GiB")
+    capacity.batch_size, capacity.baseline_batch_size
+    print(capacity.summary())
+
+For Keras, memsave.keras.max_batch_size(model, memory_limit, x=, y=) traces the model's
+train step (the optimizer's state and update included, memsave.beside).
+
+The limit is the device's: TensorFlow's allocator holds it as one region (a GPU's
+default; memsave.measure.reserve_one_region makes a capped CPU run alike), so the
+predictions replay that allocator (environment.ONE_REGION).
+"""
+
+import dataclasses
+import math
+import os
+import re
+from typing import Callable, Optional, Tuple
+
+import tensorflow as tf
+
+from memsave import batch as batch_lib
+from memsave import beside as beside_lib
+from memsave import environment
+from memsave import report as report_lib
+from memsave.errors import MemsaveError
+from memsave.graph import _tf_private
+
+# The largest batch a search tries unless told otherwise.
+MAX_BATCH = 1 << 20
+# The share of the limit an answer leaves free by default: a step's measured peak moves by
+# a few percent from run to run with the order the executor runs its ops in, and what
+# the model cannot see (the runtime's own buffers) takes some too.
+HEADROOM = 0.05
+# A training step as forward passes (the backward pass is about two): what a
+# recomputed forward pass adds to a step's time, as a first estimate.
+STEP_IN_FORWARD_PASSES = 3.0
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_LIMIT_TEXT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+
+
+def parse_memory_limit(limit):
+    """Bytes of a memory limit given as an int or as text ("8GiB", "512 MiB", "16GB").
+
+    Raises:
+      MemsaveError: for anything else, or a limit that is not positive.
+    """
+    if isinstance(limit, bool):
+        limit = None
+    if isinstance(limit, (int, float)) and limit > 0:
+        return int(limit)
+    if isinstance(limit, str):
+        match = _LIMIT_TEXT.match(limit)
+        if match:
+            nbytes = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+            if nbytes > 0:
+                return nbytes
+    raise MemsaveError(f"memory_limit is {limit!r}; pass a positive number of bytes or text "
+                       "such as '8GiB', '512MiB' or '16GB'")
+
+
+def device_memory_limit():
+    """(bytes, where they came from) of the device TensorFlow runs the step on: a GPU's
+    memory as TensorFlow's allocator may take it, else the CPU allocator's cap
+    (TF_CPU_BFC_MEM_LIMIT_IN_MB with TF_CPU_ALLOCATOR_USE_BFC=true); None without either."""
+    if tf.config.list_physical_devices("GPU"):
+        gpu = _tf_private.gpu_memory_bytes()
+        if gpu:
+            return gpu, "GPU:0's memory"
+    capped = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "").strip()
+    bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("true", "1")
+    if bfc and capped.isdigit() and int(capped) > 0:
+        return int(capped) << 20, "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPeak:
+    """What one batch is predicted to hold.
+
+    Attributes:
+      batch_size: the batch.
+      peak_bytes: memsave's plan's peak (plain tf.gradients' where memsave keeps it).
+      baseline_peak_bytes: plain tf.gradients' peak.
+      recompute_fraction: what the plan recomputes, in forward passes.
+      report: the step's memsave.RewriteReport for this batch.
+    """
+    batch_size: int
+    peak_bytes: int
+    baseline_peak_bytes: int
+    recompute_fraction: float
+    report: object = dataclasses.field(repr=False, compare=False, default=None)
+
+    @property
+    def step_time(self):
+        """The plan's step time over plain TensorFlow's, estimated as one step of
+        STEP_IN_FORWARD_PASSES forward passes plus what it recomputes (issue: the cost
+        model's own prediction of time)."""
+        return 1.0 + self.recompute_fraction / STEP_IN_FORWARD_PASSES
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """The largest batches predicted to fit in a memory limit.
+
+    Attributes:
+      memory_limit: the limit, bytes.
+      limit_source: where it came from ("given", "GPU:0's memory", ...).
+      batch_size: the largest batch memsave's plan fits in it (0: not even 1).
+      baseline_batch_size: the largest batch plain TensorFlow fits in it.
+      peaks: a BatchPeak per batch traced, smallest batch first.
+      strategy: memsave's strategy, as its reports name it.
+      headroom: the share of the limit the answers leave free.
+    """
+    memory_limit: int
+    limit_source: str
+    batch_size: int
+    baseline_batch_size: int
+    peaks: Tuple[BatchPeak, ...]
+    strategy: str = ""
+    headroom: float = 0.0
+
+    @property
+    def usable_bytes(self):
+        """The bytes the answers are predicted within: the limit less the headroom."""
+        return int(self.memory_limit * (1 - self.headroom))
+
+    def at(self, batch_size):
+        """The BatchPeak of a traced batch (KeyError for another)."""
+        for peak in self.peaks:
+            if peak.batch_size == batch_size:
+                return peak
+        raise KeyError(f"batch {batch_size} was not traced; traced: "
+                       f"{[p.batch_size for p in self.peaks]}")
+
+    def summary(self):
+        """A table of every traced batch and the answers."""
+        limit = _mib(self.memory_limit)
+        lines = [f"memsave: what batch fits in {limit} ({self.limit_source}; the answers "
+                 f"leave {self.headroom:.0%} free: within {_mib(self.usable_bytes)}), "
+                 f"strategy {self.strategy or '?'}",
+                 f"{'batch':>8}  {'memsave peak':>14}  {'plain TF peak':>14}  "
+                 f"{'recomputed':>10}  {'step time':>9}"]
+        for p in self.peaks:
+            lines.append(
+                f"{p.batch_size:>8}  {_mib(p.peak_bytes):>14}{_fits(p.peak_bytes, self)}"
+                f" {_mib(p.baseline_peak_bytes):>14}{_fits(p.baseline_peak_bytes, self)}"
+                f" {p.recompute_fraction:>9.0%}  {p.step_time:>8.2f}x")
+        lines.append(f"largest batch within {_mib(self.usable_bytes)}: "
+                     f"memsave {self._answer(self.batch_size, 'peak_bytes')}"
+                     f"; plain TensorFlow "
+                     f"{self._answer(self.baseline_batch_size, 'baseline_peak_bytes')}")
+        lines.append("(predicted by memsave's memory model; * marks a peak over "
+                     f"{_mib(self.usable_bytes)}; "
+                     "step time: recomputation as forward passes over a step of "
+                     f"{STEP_IN_FORWARD_PASSES:g})")
+        return "\n".join(lines)
+
+    def _answer(self, batch, field):
+        if not batch:
+            return "none (batch 1 does not fit)"
+        peak = self.at(batch)
+        text = f"{batch} (predicted {_mib(getattr(peak, field))}"
+        if field == "peak_bytes":
+            text += f", about {peak.step_time:.2f}x plain TensorFlow's step time"
+        return text + ")"
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _fits(nbytes, capacity):
+    return "*" if nbytes > capacity.usable_bytes else " "
+
+
+def max_batch_size(step: Callable, input_signature, memory_limit=None, optimizer_state=None,
+                   max_batch=MAX_BATCH, headroom=HEADROOM, strategy_name=None):
+    """The largest batch `step` is predicted to run with in `memory_limit`.
+
+    Args:
+      step: a Python function or tf.function of the training step that calls
+        memsave.gradients (or memsave.GradientTape, or runs under memsave.patch); it
+        is traced (not run) once per batch tried, as a tf.function of its own.
+      input_signature: a list of tf.TensorSpec (nests allowed), one per argument of
+        `step`, with the batch as the leading dimension, None.
+      memory_limit: bytes, or text such as "8GiB"; None: the device's
+        (device_memory_limit).
+      optimizer_state: a callable returning the memsave.beside.Beside the step holds
+        beside its gradients (an optimizer's state), or None.
+      max_batch: the largest batch to try.
+      headroom: the share of the limit the answers leave free (HEADROOM: 5%); the
+        answers are the largest batches predicted within (1 - headroom) x the limit.
+      strategy_name: how the summary names memsave's strategy (default: the reports').
+    Returns:
+      A Capacity.
+    Raises:
+      MemsaveError: for a bad limit or signature, no limit known, or a step that makes
+        no memsave call.
+    """
+    limit, source = _limit(memory_limit)
+    if not 0 <= headroom < 1:
+        raise MemsaveError(f"headroom is {headroom!r}; pass the share of the limit to leave "
+                           "free, from 0 to below 1 (default 0.05)")
+    within = int(limit * (1 - headroom))
+    signature = _check_signature(input_signature)
+    python_step = getattr(step, "python_function", step)
+    traced = {}
+
+    def peak_of(batch):
+        if batch not in traced:
+            traced[batch] = _traced_peak(python_step, signature, batch, optimizer_state)
+        return traced[batch]
+
+    batch_size = _largest_within(lambda b: peak_of(b).peak_bytes, within, max_batch)
+    baseline = _largest_within(lambda b: peak_of(b).baseline_peak_bytes, within, max_batch)
+    peaks = tuple(traced[b] for b in sorted(traced))
+    name = strategy_name or (peaks[-1].report.strategy if peaks else "")
+    return Capacity(limit, source, batch_size, baseline, peaks, name, headroom)
+
+
+def _limit(memory_limit):
+    if memory_limit is not None:
+        return parse_memory_limit(memory_limit), "given"
+    found = device_memory_limit()
+    if found is None:
+        raise MemsaveError(
+            "memory_limit is None and this machine has no GPU and no capped CPU allocator; "
+            "pass memory_limit= (bytes or text such as '8GiB'), the memory of the device "
+            "the step will train on")
+    return found
+
+
+def _check_signature(input_signature):
+    specs = tf.nest.flatten(input_signature)
+    if not specs or not all(isinstance(s, tf.TensorSpec) for s in specs):
+        raise MemsaveError(
+            f"input_signature is {input_signature!r}; pass a list of tf.TensorSpec, one per "
+            "argument of the step, with the batch as the leading dimension (None)")
+    if not any(s.shape.rank and s.shape[0] is None for s in specs):
+        raise MemsaveError(
+            "input_signature has no input whose leading dimension is None: nothing to size "
+            "by the batch; give the batch dimension as None, e.g. tf.TensorSpec([None, 784])")
+    return input_signature
+
+
+def _with_batch(signature, batch):
+    def sized(spec):
+        if spec.shape.rank and spec.shape[0] is None:
+            return tf.TensorSpec([batch] + spec.shape.as_list()[1:], spec.dtype, spec.name)
+        return spec
+    return tf.nest.map_structure(sized, signature)
+
+
+def _traced_peak(python_step, signature, batch, optimizer_state):
+    """The BatchPeak of `python_step` traced with inputs of batch `batch`."""
+    function = tf.function(python_step)
+    with batch_lib.batch_size(batch, source=f"max_batch_size({batch})"), \
+            environment.assuming_allocator(environment.ONE_REGION), \
+            beside_lib.holding(optimizer_state or (lambda: None)), \
+            report_lib.collecting() as reports:
+        function.get_concrete_function(*_with_batch(signature, batch))
+    report = reports[-1] if reports else None
+    if report is None:
+        raise MemsaveError(
+            "the step made no memsave call when traced; call memsave.gradients or "
+            "memsave.GradientTape in it (or trace it under memsave.patch)")
+    planned = report.predicted_peak_bytes
+    baseline = report.baseline_peak_bytes
+    if planned is None or baseline is None:
+        raise MemsaveError(f"memsave could not predict the step's peak: {report.fallback}")
+    fraction = 0.0 if report.fallback else (
+        report.recompute_flops / report.forward_flops if report.forward_flops else 0.0)
+    return BatchPeak(batch, planned, baseline, fraction, report)
+
+
+def _largest_within(peak, limit, max_batch):
+    """The largest batch b <= max_batch with peak(b) <= limit (0: none), where peak grows
+    with the batch: doubling to bracket it, then, since a step's peak is piecewise affine
+    in its batch (a plan changes only at some batches), the secant's guess and its
+    neighbour, bisecting where a guess does not narrow the bracket."""
+    if peak(1) > limit:
+        return 0
+    low, high = 1, 2
+    while high <= max_batch and peak(high) <= limit:
+        low, high = high, high * 2
+    if high > max_batch:
+        if peak(max_batch) <= limit:
+            return max_batch
+        high = max_batch
+    while high - low > 1:
+        guess = _secant_guess(peak, limit, low, high)
+        if peak(guess) <= limit:
+            low = guess
+            if guess + 1 < high and peak(guess + 1) > limit:
+                high = guess + 1
+        else:
+            high = guess
+            if guess - 1 > low and peak(guess - 1) <= limit:
+                low = guess - 1
+    return low
+
+
+def _secant_guess(peak, limit, low, high):
+    """Where the line through (low, peak(low)) and (high, peak(high)) meets the limit,
+    strictly between them (the middle where the line says nothing)."""
+    below, above = peak(low), peak(high)
+    if above <= below:
+        return (low + high) // 2
+    guess = low + int((limit - below) * (high - low) // (above - below))
+    return min(max(guess, low + 1), high - 1)
