@@ -286,18 +286,22 @@ def _traced_peak(python_step, signature, batch, optimizer_state):
 
 def _largest_within(peak, limit, max_batch):
     """The largest batch b <= max_batch with peak(b) <= limit (0: none), where peak grows
-    with the batch: doubling to bracket it, then, since a step's peak is piecewise affine
-    in its batch (a plan changes only at some batches), the secant's guess and its
-    neighbour, bisecting where a guess does not narrow the bracket."""
+    with the batch. A step's peak is piecewise affine in its batch (a plan changes only at
+    some batches), so the line through the last two batches says where to look: growing
+    to about where it meets the limit (at least twice, at most GROWTH times the last
+    batch), then, once bracketed, the secant's guess and its neighbour, bisecting where a
+    guess does not narrow the bracket."""
     if peak(1) > limit:
         return 0
-    low, high = 1, 2
-    while high <= max_batch and peak(high) <= limit:
-        low, high = high, high * 2
-    if high > max_batch:
-        if peak(max_batch) <= limit:
-            return max_batch
-        high = max_batch
+    previous, low, high = None, 1, None
+    while high is None:
+        candidate = min(_grown(peak, limit, previous, low), max_batch)
+        if candidate <= low:
+            return low
+        if peak(candidate) <= limit:
+            previous, low = low, candidate
+        else:
+            high = candidate
     while high - low > 1:
         guess = _secant_guess(peak, limit, low, high)
         if peak(guess) <= limit:
@@ -309,6 +313,22 @@ def _largest_within(peak, limit, max_batch):
             if guess - 1 > low and peak(guess - 1) <= limit:
                 low = guess - 1
     return low
+
+
+# How much larger each batch tried may be than the last while the limit is not reached.
+GROWTH = 16
+
+
+def _grown(peak, limit, previous, low):
+    """The next batch to try above `low`: a tenth past where the line through the last
+    two batches meets the limit, within [2, GROWTH] times `low`."""
+    if previous is None:
+        return 2 * low
+    slope = (peak(low) - peak(previous)) / (low - previous)
+    if slope <= 0:
+        return GROWTH * low
+    meets = low + (limit - peak(low)) / slope
+    return int(min(max(1.1 * meets, 2 * low), GROWTH * low))
 
 
 def _secant_guess(peak, limit, low, high):
