@@ -1001,6 +1001,44 @@ def _parse_list(text, cast=str):
     return [cast(item.strip()) for item in text.split(",") if item.strip()] if text else None
 
 
+def draw_picture(args):
+    """--picture: the model's step planned (memsave.plan: nothing is added or run) with the
+    first memsave strategy named, its report's picture printed and saved."""
+    import tensorflow as tf
+
+    import memsave
+    from benchmarks.models import build_model
+
+    strategy = next((s for s in _parse_list(args.strategies) or [] if s != BASELINE), "memory")
+    if strategy.startswith("budget:"):
+        checkpoints = memsave.budget(_budget_limit(strategy))
+    elif strategy in MEMSAVE_STRATEGIES:
+        checkpoints = strategy
+    else:
+        raise SystemExit(f"--picture draws one of {', '.join(MEMSAVE_STRATEGIES)} or budget:F, "
+                         f"not {strategy!r}")
+    options = {k: v for k, v in (("app", args.app), ("image_size", args.image_size),
+                                 ("seq_len", args.seq_len)) if v is not None}
+    bench = build_model(args.model, depth=args.depth, batch=args.batch, seed=args.seed, **options)
+    reports = []
+
+    def planned(*inputs):
+        reports.append(memsave.plan(bench.loss(*inputs), bench.variables,
+                                    checkpoints=checkpoints))
+        return tf.constant(0.0)
+
+    tf.function(planned, autograph=False).get_concrete_function(
+        *[tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in bench.inputs])
+    report = reports[-1]
+    limit = args.memory_limit_mb << 20 if args.memory_limit_mb else None
+    print(f"{bench.description}; strategy {strategy}; {measure.device_description()}")
+    print(report.summary())
+    print(report.picture(limit=limit))
+    if args.picture != "-":
+        print("saved", report.save_picture(args.picture, limit=limit))
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Peak memory, step time, gradient error and build time of tf.gradients "
@@ -1081,6 +1119,11 @@ def main(argv=None):
                         help="time memsave.gradients's rewrite vs tf.gradients on generated "
                              "graphs of ~1k, ~5k, ~20k ops (in this process)")
     parser.add_argument("--sizes", default=None, help="op counts for --build-time")
+    parser.add_argument("--picture", nargs="?", const="-", default=None, metavar="PNG",
+                        help="draw the step's live memory over time, memsave's plan (the first "
+                             "memsave strategy of --strategies, default 'memory') against "
+                             "tf.gradients', as the memory model predicts it (nothing runs): "
+                             "as text, and as a PNG where a path is given (matplotlib)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     args = parser.parse_args(argv)
@@ -1088,6 +1131,9 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     command = "python benchmarks/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    if args.picture:
+        return draw_picture(args)
 
     if args.predict_table:
         strategies = _parse_list(args.strategies) or [BASELINE, "memory"]

@@ -25,6 +25,7 @@ from memsave.graph import _tf_private, calls
 from memsave.graph.select import TensorSet
 from memsave.beside import Beside
 from memsave.planner.calibrated import Calibrated
+from memsave.planner.curves import Curve
 from memsave.planner.graph import RESIDENT, StepGraph
 from memsave.planner.loops import why_not_recomputed as why_loop_kept
 from memsave.planner.memory import Prediction
@@ -85,6 +86,8 @@ class Plan:
       unknown_dim_source: where the size of unknown dimensions came from
         (memsave.planner.Problem.unknown_dim_source).
       beside: what the step holds beside the gradients (memsave.beside.Beside), or None.
+      baseline_curve, curve: tf.gradients' and the plan's live memory over the step
+        (memsave.planner.curves.Curve; the plan's None without checkpoints).
     """
     strategy: str
     region: ForwardRegion
@@ -111,6 +114,8 @@ class Plan:
     calibrated: Optional[Calibrated] = None
     unknown_dim_source: Optional[str] = None
     beside: Optional[Beside] = None
+    baseline_curve: Optional[Curve] = None
+    curve: Optional[Curve] = None
 
     @property
     def checkpoint_tensors(self):
@@ -168,6 +173,8 @@ class Plan:
             report.unknown_dim_size_measured = self.calibrated.dims_measured
             report.calibrated_peak_bytes = (measured if runs_plain else self.calibrated.measured(
                 prediction.device_peak_bytes))
+        report.baseline_curve = self.baseline_curve
+        report.memory_curve = self.baseline_curve if runs_plain else self.curve
         if runs_plain:
             report.predicted_peak_bytes = baseline.device_peak_bytes
             report.predicted_live_bytes = baseline.peak_bytes
@@ -214,7 +221,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
                   step_graph=model.graph, unknown_dim_source=problem.unknown_dim_source,
                   beside=problem.beside,
                   dropped=tuple(dropped),
-                  baseline=model.baseline(allocator=True), calibrated=selection.calibrated)
+                  baseline=model.baseline(allocator=True), calibrated=selection.calibrated,
+                  baseline_curve=model.curve())
     if not kept:
         return Plan(checkpoints=(), fallback=selection.plain or _no_checkpoints_message(
             strategy_name, region), warn=explicit and selection.plain is None, **common)
@@ -229,6 +237,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
     decided = dict(
         common, checkpoints=tuple(kept), offloaded=offloaded,
         offload=problem.offload if offloaded else None, prediction=prediction,
+        curve=model.curve(ids, offloaded_ids, problem.offload.prefetch if offloaded_ids else 1,
+                          prediction.reads_checkpoints, prediction.recomputes_ahead),
         reads_checkpoints=prediction.reads_checkpoints,
         recomputes_ahead=prediction.recomputes_ahead,
         # Not under XLA (which drops control inputs), nor where TensorFlow's own CPU

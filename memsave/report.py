@@ -101,7 +101,9 @@ class RewriteReport:
     `unknown_dim_size` came from the measurement. `beside_bytes` are what the training
     step holds beside the gradients through the whole step (and with its update's
     temporaries in both peaks), `beside_source` what they are (under Keras `fit`, the
-    optimizer's state: memsave.beside).
+    optimizer's state: memsave.beside). `memory_curve` and `baseline_curve` are the plan's
+    and tf.gradients' live bytes over the step (memsave.planner.curves.Curve), drawn by
+    `picture()` (text) and `save_picture(path)` (PNG).
     """
     strategy: str
     region_ops: int
@@ -139,6 +141,19 @@ class RewriteReport:
     unknown_dim_size_measured: bool = False
     beside_bytes: int = 0
     beside_source: Optional[str] = None
+    memory_curve: Optional[object] = dataclasses.field(default=None, repr=False)
+    baseline_curve: Optional[object] = dataclasses.field(default=None, repr=False)
+
+    def picture(self, width=72, height=12, limit=None):
+        """The step's live memory over time as text, the plan's and tf.gradients'
+        (memsave.picture.text)."""
+        from memsave import picture
+        return picture.text(self, width, height, limit)
+
+    def save_picture(self, path, limit=None):
+        """The same as a PNG at `path` (matplotlib; memsave.picture.save_png)."""
+        from memsave import picture
+        return picture.save_png(self, path, limit)
 
     @property
     def kept_bytes(self):

@@ -421,3 +421,14 @@ def test_build_time_rows_on_a_small_generated_graph():
 
 def test_benchmark_files_are_not_collected_by_the_test_suite():
     assert not os.path.basename(bench_rewrite_time.__file__).startswith("test_")
+
+
+@pytest.mark.planner_fallback
+def test_picture_draws_the_plan_against_tf_gradients_without_running(capsys):
+    assert compare.main(["--model", "mlp", "--depth", "8", "--batch", "256", "--picture",
+                         "--strategies", "tf.gradients,memory", "--memory-limit-mb", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "strategy memory" in printed and "memsave: live memory over the step" in printed
+    assert "the limit 8.0 MiB" in printed and "tf.gradients: peak" in printed
+    with pytest.raises(SystemExit, match="--picture draws one of"):
+        compare.main(["--model", "mlp", "--depth", "4", "--picture", "--strategies", "every:2"])

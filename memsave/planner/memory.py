@@ -43,7 +43,7 @@ import dataclasses
 from typing import Optional
 
 from memsave.planner import allocator as allocator_lib
-from memsave.planner import costs, intervals, opinfo
+from memsave.planner import costs, curves, intervals, opinfo
 from memsave.planner.graph import KEPT, REGION, RESIDENT
 from memsave.planner.segments import LAST, Segmentation
 
@@ -395,6 +395,27 @@ class MemoryModel:
         largest = [(nbytes, kind, self._owner_name(owner, kind))
                    for nbytes, kind, owner in timeline.alive_at(at)[:top]]
         return self.describe(timeline.labels[at], segmentation), largest
+
+    def curve(self, checkpoints=None, offloaded=(), prefetch=1, read_checkpoints=False,
+              recompute_ahead=False, top=5):
+        """The live bytes over the step of a plan (tf.gradients' where `checkpoints` is
+        None), for pictures: a memsave.planner.curves.Curve (arguments as predict's)."""
+        if checkpoints is None:
+            self._simulate(_BASELINE, None)
+        else:
+            key = _plan_key(checkpoints, offloaded, prefetch, costs.DEFAULT_FLOPS_PER_BYTE,
+                            read_checkpoints, recompute_ahead)
+            self._simulate(key, self._segmentation(key), frozenset(key[1]), prefetch,
+                           ahead=bool(recompute_ahead))
+        _, timeline, segmentation = self._last
+        steps = len(timeline.labels)
+        live = curves.live_per_step(timeline.starts, timeline.ends, timeline.bytes, steps)
+        at = max(range(steps), key=live.__getitem__) if steps else 0
+        largest = [(nbytes, self._owner_name(owner, kind))
+                   for nbytes, kind, owner in timeline.alive_at(at)[:top]]
+        return curves.of_timeline(live, timeline.labels,
+                                  self.describe(timeline.labels[at], segmentation) if steps else "",
+                                  largest)
 
     def _owner_name(self, owner, kind):
         graph = self.graph
