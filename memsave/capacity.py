@@ -3,9 +3,10 @@ memory limit, with memsave's plan and with plain TensorFlow, before anything run
 
 The memory model predicts a step's peak from its graph; traced for a given batch (every
 input's leading dimension set to it), the step's report gives memsave's peak and plain
-tf.gradients' for that batch. A step's peak grows with its batch, so the largest batch
-within the limit is found by doubling, then halving the interval, about 2 log2(batch)
-traces; each traced batch is a row of the answer's table.
+tf.gradients' for that batch. A step's peak grows with its batch, piecewise affinely (a
+plan changes only at some batches), so the largest batch within the limit is found by
+growing the batch to where the line through the last two meets the limit, then secant
+guesses (_largest_within): about a dozen traces; each is a row of the answer's table.
 
     capacity = memsave.max_batch_size(step, [tf.TensorSpec([None, 784]), ...], "8GiB")
     capacity.batch_size, capacity.baseline_batch_size
@@ -20,9 +21,7 @@ predictions replay that allocator (environment.ONE_REGION).
 """
 
 import dataclasses
-import math
 import os
-import re
 from typing import Callable, Optional, Tuple
 
 import tensorflow as tf
@@ -33,6 +32,7 @@ from memsave import environment
 from memsave import report as report_lib
 from memsave.errors import MemsaveError
 from memsave.graph import _tf_private
+from memsave.limits import parse_memory_limit  # noqa: F401 (memsave.capacity.parse_memory_limit)
 
 # The largest batch a search tries unless told otherwise.
 MAX_BATCH = 1 << 20
@@ -43,31 +43,6 @@ HEADROOM = 0.05
 # A training step as forward passes (the backward pass is about two): what a
 # recomputed forward pass adds to a step's time, as a first estimate.
 STEP_IN_FORWARD_PASSES = 3.0
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_LIMIT_TEXT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
-
-
-def parse_memory_limit(limit):
-    """Bytes of a memory limit given as an int or as text ("8GiB", "512 MiB", "16GB").
-
-    Raises:
-      MemsaveError: for anything else, or a limit that is not positive.
-    """
-    if isinstance(limit, bool):
-        limit = None
-    if isinstance(limit, (int, float)) and limit > 0:
-        return int(limit)
-    if isinstance(limit, str):
-        match = _LIMIT_TEXT.match(limit)
-        if match:
-            nbytes = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
-            if nbytes > 0:
-                return nbytes
-    raise MemsaveError(f"memory_limit is {limit!r}; pass a positive number of bytes or text "
-                       "such as '8GiB', '512MiB' or '16GB'")
-
 
 def device_memory_limit():
     """(bytes, where they came from) of the device TensorFlow runs the step on: a GPU's
@@ -185,7 +160,7 @@ def _fits(nbytes, capacity):
 
 
 def max_batch_size(step: Callable, input_signature, memory_limit=None, optimizer_state=None,
-                   max_batch=MAX_BATCH, headroom=HEADROOM, strategy_name=None):
+                   max_batch=MAX_BATCH, headroom=HEADROOM, jit_compile=None, strategy_name=None):
     """The largest batch `step` is predicted to run with in `memory_limit`.
 
     Args:
@@ -201,6 +176,9 @@ def max_batch_size(step: Callable, input_signature, memory_limit=None, optimizer
       max_batch: the largest batch to try.
       headroom: the share of the limit the answers leave free (HEADROOM: 5%); the
         answers are the largest batches predicted within (1 - headroom) x the limit.
+        The model's misses are in benchmarks/RESULTS.md ("What batch fits"): a larger
+        headroom where a run must not fail.
+      jit_compile: trace the step compiled by XLA (None: as the tf.function `step` is).
       strategy_name: how the summary names memsave's strategy (default: the reports').
     Returns:
       A Capacity.
@@ -213,13 +191,19 @@ def max_batch_size(step: Callable, input_signature, memory_limit=None, optimizer
         raise MemsaveError(f"headroom is {headroom!r}; pass the share of the limit to leave "
                            "free, from 0 to below 1 (default 0.05)")
     within = int(limit * (1 - headroom))
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise MemsaveError(f"max_batch is {max_batch!r}; pass a positive int, the largest "
+                           "batch to try")
     signature = _check_signature(input_signature)
     python_step = getattr(step, "python_function", step)
+    if jit_compile is None:  # (a tf.function keeps its jit_compile as _jit_compile)
+        jit_compile = getattr(step, "_jit_compile", None)
     traced = {}
 
     def peak_of(batch):
         if batch not in traced:
-            traced[batch] = _traced_peak(python_step, signature, batch, optimizer_state)
+            traced[batch] = _traced_peak(python_step, signature, batch, optimizer_state,
+                                         jit_compile)
         return traced[batch]
 
     batch_size = _largest_within(lambda b: peak_of(b).peak_bytes, within, max_batch)
@@ -242,6 +226,8 @@ def _limit(memory_limit):
 
 
 def _check_signature(input_signature):
+    if isinstance(input_signature, tf.TensorSpec):
+        input_signature = [input_signature]  # (one argument)
     specs = tf.nest.flatten(input_signature)
     if not specs or not all(isinstance(s, tf.TensorSpec) for s in specs):
         raise MemsaveError(
@@ -262,9 +248,10 @@ def _with_batch(signature, batch):
     return tf.nest.map_structure(sized, signature)
 
 
-def _traced_peak(python_step, signature, batch, optimizer_state):
-    """The BatchPeak of `python_step` traced with inputs of batch `batch`."""
-    function = tf.function(python_step)
+def _traced_peak(python_step, signature, batch, optimizer_state, jit_compile=None):
+    """The BatchPeak of `python_step` traced with inputs of batch `batch` (the last of its
+    memsave calls: a step with several, a GAN's, is sized by its last)."""
+    function = tf.function(python_step, jit_compile=jit_compile)
     with batch_lib.batch_size(batch, source=f"max_batch_size({batch})"), \
             environment.assuming_allocator(environment.ONE_REGION), \
             beside_lib.holding(optimizer_state or (lambda: None)), \

@@ -11,6 +11,7 @@ memory profile: a timeline, its peak, and the allocations alive at the peak.
 """
 
 from memsave.errors import MemsaveError
+from memsave.limits import parse_memory_limit
 
 PLAN, BASELINE, BOTH, LIMIT = "#", ".", "#", "-"
 
@@ -42,14 +43,14 @@ def _resampled(values, width):
 def text(report, width=72, height=12, limit=None):
     """The timeline as text: rows of bytes, '#' the plan's live bytes, '.' where only
     tf.gradients' reach, '-' the limit; then each curve's peak and what is alive at it.
+    Each curve spans the width (the plan's step has more ops: its recomputation), so a
+    column is the same share of each step, not the same op.
 
     Args:
       report: a memsave.RewriteReport.
       width, height: the chart's columns and rows.
       limit: bytes (or text such as "8GiB") to draw as a line, e.g. a budget.
     """
-    from memsave.capacity import parse_memory_limit  # (only a limit needs parsing)
-
     plan, baseline = _curves(report)
     limit = None if limit is None else parse_memory_limit(limit)
     planned = _resampled(plan.live_bytes, width)
@@ -69,8 +70,14 @@ def text(report, width=72, height=12, limit=None):
     lines = [f"memsave: live memory over the step ({PLAN} memsave's plan, {BASELINE} tf.gradients"
              + (f", {LIMIT} the limit {_mib(limit)}" if limit is not None else "") + ")"]
     lines += rows
+    held = {"memsave's plan": report.predicted_peak_bytes,
+            "tf.gradients": report.baseline_peak_bytes}
     for name, curve in (("memsave's plan", plan), ("tf.gradients", baseline)):
-        lines.append(f"{name}: peak {_mib(curve.peak_bytes)}, at {curve.peak_at}")
+        allocator = held[name]
+        also = (f" (the allocator holds {_mib(allocator)}: the report's peak)"
+                if allocator and allocator != curve.peak_bytes else "")
+        lines.append(f"{name}: peak {_mib(curve.peak_bytes)} of live tensors{also}, "
+                     f"at {curve.peak_at}")
         lines += [f"    {_mib(nbytes):>11}  {what}" for nbytes, what in curve.largest_at_peak]
     return "\n".join(lines)
 
@@ -92,17 +99,16 @@ def _phase_axis(curve, width):
 
 def save_png(report, path, limit=None):
     """The timeline as a PNG at `path` (matplotlib; `pip install "memsave[bench]"`)."""
-    from memsave.capacity import parse_memory_limit
-
     plan, baseline = _curves(report)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        from matplotlib import pyplot
+    try:  # (a figure of its own: no pyplot, no backend switched under a notebook)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise MemsaveError("a PNG picture needs matplotlib: pip install \"memsave[bench]\" "
                            "(or print report.picture() for text)") from e
-    figure, axes = pyplot.subplots(figsize=(10, 4))
+    figure = Figure(figsize=(10, 4))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
     for curve, label, style in ((baseline, "tf.gradients", "--"), (plan, "memsave's plan", "-")):
         share = [i / max(1, len(curve.live_bytes) - 1) for i in range(len(curve.live_bytes))]
         axes.plot(share, [b / 2**20 for b in curve.live_bytes], style,
@@ -118,5 +124,4 @@ def save_png(report, path, limit=None):
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
-    pyplot.close(figure)
     return path

@@ -221,11 +221,11 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
                   step_graph=model.graph, unknown_dim_source=problem.unknown_dim_source,
                   beside=problem.beside,
                   dropped=tuple(dropped),
-                  baseline=model.baseline(allocator=True), calibrated=selection.calibrated,
-                  baseline_curve=model.curve())
+                  baseline=model.baseline(allocator=True), calibrated=selection.calibrated)
     if not kept:
         return Plan(checkpoints=(), fallback=selection.plain or _no_checkpoints_message(
-            strategy_name, region), warn=explicit and selection.plain is None, **common)
+            strategy_name, region), warn=explicit and selection.plain is None,
+            baseline_curve=model.curve(), **common)
     offloaded = _offloaded(kept, problem)
     graph = model.graph
     serializes_conv_gradients = (environment.conv_threads > 0
@@ -237,6 +237,9 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
     decided = dict(
         common, checkpoints=tuple(kept), offloaded=offloaded,
         offload=problem.offload if offloaded else None, prediction=prediction,
+        # (after the prediction: a curve re-simulates, and the prediction's allocator
+        # replay reuses the search's last simulation where it is the chosen plan's)
+        baseline_curve=model.curve(),
         curve=model.curve(ids, offloaded_ids, problem.offload.prefetch if offloaded_ids else 1,
                           prediction.reads_checkpoints, prediction.recomputes_ahead),
         reads_checkpoints=prediction.reads_checkpoints,

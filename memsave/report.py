@@ -321,7 +321,9 @@ def collecting():
     try:
         yield collected
     finally:
-        _latest.collecting.remove(collected)
+        # (by identity: an inner block's list may equal this one)
+        del _latest.collecting[max(i for i, c in enumerate(_latest.collecting)
+                                   if c is collected)]
 
 
 def last_report():

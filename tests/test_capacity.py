@@ -73,8 +73,9 @@ def test_keras_answers_are_the_largest_batches_predicted_within_the_limit():
             < found.at(baseline + 1).baseline_peak_bytes)
     # Every batch was planned for itself, with Adam's state (two slots per weight).
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_weights)
+    for smaller, larger in zip(found.peaks, found.peaks[1:]):  # (each traced for its batch)
+        assert smaller.baseline_peak_bytes < larger.baseline_peak_bytes
     for peak in found.peaks:
-        assert peak.report.unknown_dims == 0 or peak.report.unknown_dim_size == peak.batch_size
         assert peak.report.beside_bytes >= 2 * weights
     assert found.at(found.batch_size).step_time > 1.0
     text = found.summary()
@@ -112,7 +113,7 @@ def test_a_tf_function_step_is_sized_from_its_input_signature():
         for w, g in zip(weights, grads):
             w.assign_sub(0.01 * g)
 
-    found = memsave.max_batch_size(step, [tf.TensorSpec([None, WIDTH])], "16MiB")
+    found = memsave.max_batch_size(step, tf.TensorSpec([None, WIDTH]), "16MiB")
     assert found.batch_size >= found.baseline_batch_size > 0
     assert found.at(found.batch_size).peak_bytes <= 16 << 20
     # The user's function is not retraced for the search.
@@ -130,7 +131,21 @@ def test_bad_inputs_are_named():
         memsave.max_batch_size(lambda x: x, [tf.TensorSpec([4, 2])], "1GiB")
     with pytest.raises(memsave.MemsaveError, match="pass a list of tf.TensorSpec"):
         memsave.max_batch_size(lambda x: x, [np.zeros(3)], "1GiB")
+    with pytest.raises(memsave.MemsaveError, match="0.9; pass a positive number.*headroom="):
+        capacity.parse_memory_limit(0.9)
+    assert capacity.parse_memory_limit(np.int64(1 << 30)) == 1 << 30
+    with pytest.raises(memsave.MemsaveError, match="max_batch is 0"):
+        memsave.keras.max_batch_size(model, "1GiB", x=x, y=y, max_batch=0)
     with pytest.raises(memsave.MemsaveError, match="headroom is 1.5; pass the share"):
         memsave.keras.max_batch_size(model, "1GiB", x=x, y=y, headroom=1.5)
     with pytest.raises(memsave.MemsaveError, match="made no memsave call"):
         memsave.max_batch_size(lambda x: x * 2, [tf.TensorSpec([None, 2])], "1GiB")
+
+
+def test_a_memsave_models_own_strategy_is_sized_unless_another_is_asked_for():
+    x, y = _sample()
+    model = memsave.keras.enable(_mlp(), checkpoints="speed")
+    assert memsave.keras.max_batch_size(model, "8MiB", x=x, y=y, max_batch=64).strategy == "speed"
+    asked = memsave.keras.max_batch_size(model, "8MiB", x=x, y=y, checkpoints="collection",
+                                         max_batch=64)
+    assert asked.strategy == "collection"

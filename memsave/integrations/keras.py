@@ -287,6 +287,7 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
         return train_step(model, data, checkpoints, offload)
 
     memsave_train_step.memsave_checkpoints = checkpoints
+    memsave_train_step.memsave_offload = offload
     # An instance attribute wins over the class's train_step; the next fit
     # builds its train function from it.
     model.train_step = memsave_train_step
@@ -296,16 +297,29 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
     return model
 
 
+def _model_settings(model):
+    """(checkpoints, offload) `model`'s own fit uses with memsave: a MemsaveModel's or an
+    enabled model's, else the defaults."""
+    step = vars(model).get("train_step")
+    if step is not None and hasattr(step, "memsave_checkpoints"):
+        return step.memsave_checkpoints, getattr(step, "memsave_offload", False)
+    if isinstance(model, MemsaveTrainStep):
+        return model.memsave_checkpoints, model.memsave_offload
+    return DEFAULT_CHECKPOINTS, False
+
+
 def max_batch_size(model, memory_limit=None, x=None, y=None, sample_weight=None,
-                   checkpoints=DEFAULT_CHECKPOINTS, max_batch=capacity.MAX_BATCH,
+                   checkpoints=None, max_batch=capacity.MAX_BATCH,
                    headroom=capacity.HEADROOM):
     """The largest batch `model.fit` is predicted to train with in `memory_limit`, with
     memsave and with plain Keras, before anything runs.
 
     Traces (does not run) the model's train step once per batch tried, as `fit` would
-    run it with memsave (memsave.keras.train_step), the optimizer's state and update
-    included (keras_batch.optimizer_state); each trace's report gives memsave's and
-    plain tf.gradients' predicted peaks (memsave.capacity).
+    run it with memsave (memsave.keras.train_step, compiled with XLA where the model's
+    `jit_compile` is), the optimizer's state and update included
+    (keras_batch.optimizer_state); each trace's report gives memsave's and plain
+    tf.gradients' predicted peaks (memsave.capacity). Under a distribution strategy the
+    batches are per replica. A model with its own `train_step` is sized as Keras' step.
 
         capacity = memsave.keras.max_batch_size(model, "8GiB", x=x[:1], y=y[:1])
         model.fit(x, y, batch_size=capacity.batch_size)   # with memsave.keras / the patch
@@ -318,7 +332,8 @@ def max_batch_size(model, memory_limit=None, x=None, y=None, sample_weight=None,
       x, y, sample_weight: some of the data `fit` will get (any number of examples: only
         their shapes past the batch and dtypes are read), or a tf.data.Dataset of it;
         without x, a functional model's inputs (then give y where the loss needs it).
-      checkpoints: memsave's strategy, as for MemsaveModel.
+      checkpoints: memsave's strategy, as for MemsaveModel (None: the model's own, where
+        it is a MemsaveModel or enabled, else 'memory'); its host offload is the model's.
       max_batch: the largest batch to try.
       headroom: the share of the limit the answers leave free (default 5%: a step's
         peak moves a little from run to run).
@@ -329,7 +344,8 @@ def max_batch_size(model, memory_limit=None, x=None, y=None, sample_weight=None,
       MemsaveError: an uncompiled or unbuilt model, a bad limit, no limit known.
     """
     _check_backend()
-    check_checkpoints(checkpoints)
+    own_checkpoints, offload = _model_settings(model)
+    checkpoints = own_checkpoints if checkpoints is None else check_checkpoints(checkpoints)
     if getattr(model, "optimizer", None) is None:
         raise MemsaveError("max_batch_size needs a compiled model: call model.compile("
                            "optimizer=..., loss=...) first")
@@ -344,11 +360,12 @@ def max_batch_size(model, memory_limit=None, x=None, y=None, sample_weight=None,
     signature = keras_batch.data_signature(x, y, sample_weight, getattr(model, "inputs", None))
 
     def step(data):
-        return train_step(model, data, checkpoints)
+        return train_step(model, data, checkpoints, offload)
 
     return capacity.max_batch_size(step, [signature], memory_limit,
                                    optimizer_state=lambda: keras_batch.optimizer_state(model),
-                                   max_batch=max_batch, headroom=headroom)
+                                   max_batch=max_batch, headroom=headroom,
+                                   jit_compile=getattr(model, "jit_compile", False) is True)
 
 
 def _class_fit(model, *args, **kwargs):

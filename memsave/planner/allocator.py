@@ -173,9 +173,13 @@ def replayed_peak(allocator, starts, ends, sizes, resident, steps, pieces=None):
         if end < steps:
             freed_at[end].append(buffer)
     needed = "extent" if allocator.needs_extent else "peak"
+    at = 0
     for _ in range(2):
-        # (The extent is of both steps: the region serves the first too.)
-        state.peak, at = state.in_use, 0
+        # (The extent is of both steps, and where it was reached: the region serves the
+        # first step too; the peak in use is the second's.)
+        state.peak = state.in_use
+        if not allocator.needs_extent:
+            at = 0
         address = {}
         for step in range(steps):
             for buffer in made_at[step]:

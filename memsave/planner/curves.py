@@ -49,8 +49,8 @@ _LATE_PHASES = {"final": "ops kept whole", "deferred": "weight gradients made la
 
 def phase_name(label):
     """The phase of a timeline label (phase, op, segment index): "forward", "backward"
-    (tf.gradients'), "segment k" (the plan's k-th segment in backward order), or a late
-    phase; None for the step that seeds the gradients (it starts "backward")."""
+    (tf.gradients', and the step that seeds the gradients), "segment k" (the plan's k-th
+    segment in backward order), or a late phase."""
     phase, _, index = label
     if phase == "forward":
         return "forward"

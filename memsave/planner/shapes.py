@@ -82,7 +82,8 @@ def _is_input(op):
 
 
 def _not_data(t):
-    return t.dtype in (tf.resource, tf.variant, tf.string)
+    # (a v1 variable's reference is its variable, not data read from it)
+    return t.dtype in (tf.resource, tf.variant, tf.string) or t.dtype != t.dtype.base_dtype
 
 
 def _filled(shape, size):
