@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from _models import tanh_mlp_loss
 from memsave.planner import curves
 
 DEPTH, WIDTH, BATCH = 12, 128, 256
@@ -17,10 +18,7 @@ def _report(checkpoints="memory"):
 
     @tf.function
     def step(x):
-        h = x
-        for w in weights:
-            h = tf.tanh(h @ w)
-        return memsave.gradients(tf.reduce_sum(h * h), weights, checkpoints=checkpoints)
+        return memsave.gradients(tanh_mlp_loss(x, weights), weights, checkpoints=checkpoints)
 
     step(tf.ones([BATCH, WIDTH]))
     return memsave.last_report()
