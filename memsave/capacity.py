@@ -53,8 +53,7 @@ def device_memory_limit():
         if gpu:
             return gpu, "GPU:0's memory"
     capped = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB", "").strip()
-    bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("true", "1")
-    if bfc and capped.isdigit() and int(capped) > 0:
+    if environment.cpu_uses_bfc() and capped.isdigit() and int(capped) > 0:
         return int(capped) << 20, "TF_CPU_BFC_MEM_LIMIT_IN_MB"
     return None
 

@@ -165,6 +165,11 @@ def _allocator(accelerator):
     if accelerator:
         growing = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true"
         return "BFC (GPU, growing)" if growing else "BFC (GPU)"
-    if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("true", "1"):
+    if cpu_uses_bfc():
         return "BFC (CPU, growing)"
     return None
+
+
+def cpu_uses_bfc():
+    """Whether TensorFlow's CPU allocator is BFC (TF_CPU_ALLOCATOR_USE_BFC)."""
+    return os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("true", "1")

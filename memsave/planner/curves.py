@@ -30,19 +30,6 @@ class Curve:
     largest_at_peak: Tuple[Tuple[int, str], ...] = ()
 
 
-def live_per_step(starts, ends, sizes, steps):
-    """Bytes alive at each step 0 .. steps - 1 (as memsave.planner.intervals.peak)."""
-    diff = [0] * (steps + 1)
-    for start, end, nbytes in zip(starts, ends, sizes):
-        diff[start] += nbytes
-        diff[min(end, steps - 1) + 1] -= nbytes
-    live, running = [], 0
-    for step in range(steps):
-        running += diff[step]
-        live.append(running)
-    return live
-
-
 _LATE_PHASES = {"final": "ops kept whole", "deferred": "weight gradients made last",
                 "update": "update"}
 

@@ -5,19 +5,26 @@ custom gradient's temporaries (memsave.planner.custom_gradients).
 """
 
 
-def peak(starts, ends, sizes, steps):
-    """(peak bytes, first step at which it is reached) over steps 0 .. steps - 1.
-
-    Buffer i holds sizes[i] bytes from step starts[i] through step ends[i] (an end
-    past the last step counts as the last step). One difference-array pass.
-    """
+def live_per_step(starts, ends, sizes, steps):
+    """Bytes alive at each step 0 .. steps - 1: buffer i holds sizes[i] bytes from step
+    starts[i] through step ends[i] (an end past the last step counts as the last step).
+    One difference-array pass."""
     diff = [0] * (steps + 1)
     for start, end, nbytes in zip(starts, ends, sizes):
         diff[start] += nbytes
         diff[min(end, steps - 1) + 1] -= nbytes
-    best, best_step, live = -1, 0, 0
+    live, running = [], 0
     for step in range(steps):
-        live += diff[step]
+        running += diff[step]
+        live.append(running)
+    return live
+
+
+def peak(starts, ends, sizes, steps):
+    """(peak bytes, first step at which it is reached) over steps 0 .. steps - 1, of
+    buffers as live_per_step's."""
+    best, best_step = -1, 0
+    for step, live in enumerate(live_per_step(starts, ends, sizes, steps)):
         if live > best:
             best, best_step = live, step
     return max(best, 0), best_step

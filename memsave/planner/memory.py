@@ -385,21 +385,28 @@ class MemoryModel:
           buffers, largest first; `what` names a tensor, a tensor's gradient ("gradient
           of ..."), or an op gradient's temporaries ("temporaries of the gradient of ...").
         """
-        if checkpoints is None:
-            self._simulate(_BASELINE, None)
-        else:
-            key = _plan_key(checkpoints, read_checkpoints=read_checkpoints)
-            self._simulate(key, self._segmentation(key))
-        _, timeline, segmentation = self._last
+        timeline, segmentation = self._simulated(checkpoints, read_checkpoints=read_checkpoints)
         _, at = timeline.peak()
-        largest = [(nbytes, kind, self._owner_name(owner, kind))
-                   for nbytes, kind, owner in timeline.alive_at(at)[:top]]
-        return self.describe(timeline.labels[at], segmentation), largest
+        return (self.describe(timeline.labels[at], segmentation),
+                self._largest_at(timeline, at, top))
 
     def curve(self, checkpoints=None, offloaded=(), prefetch=1, read_checkpoints=False,
               recompute_ahead=False, top=5):
         """The live bytes over the step of a plan (tf.gradients' where `checkpoints` is
         None), for pictures: a memsave.planner.curves.Curve (arguments as predict's)."""
+        timeline, segmentation = self._simulated(checkpoints, offloaded, prefetch,
+                                                 read_checkpoints, recompute_ahead)
+        _, at = timeline.peak()
+        live = intervals.live_per_step(timeline.starts, timeline.ends, timeline.bytes,
+                                       len(timeline.labels))
+        return curves.of_timeline(
+            live, timeline.labels, self.describe(timeline.labels[at], segmentation),
+            [(nbytes, what) for nbytes, _, what in self._largest_at(timeline, at, top)])
+
+    def _simulated(self, checkpoints=None, offloaded=(), prefetch=1, read_checkpoints=False,
+                   recompute_ahead=False):
+        """(timeline, segmentation) of a plan simulated now (tf.gradients' where
+        `checkpoints` is None; arguments as predict's)."""
         if checkpoints is None:
             self._simulate(_BASELINE, None)
         else:
@@ -408,14 +415,12 @@ class MemoryModel:
             self._simulate(key, self._segmentation(key), frozenset(key[1]), prefetch,
                            ahead=bool(recompute_ahead))
         _, timeline, segmentation = self._last
-        steps = len(timeline.labels)
-        live = curves.live_per_step(timeline.starts, timeline.ends, timeline.bytes, steps)
-        at = max(range(steps), key=live.__getitem__) if steps else 0
-        largest = [(nbytes, self._owner_name(owner, kind))
-                   for nbytes, kind, owner in timeline.alive_at(at)[:top]]
-        return curves.of_timeline(live, timeline.labels,
-                                  self.describe(timeline.labels[at], segmentation) if steps else "",
-                                  largest)
+        return timeline, segmentation
+
+    def _largest_at(self, timeline, step, top):
+        """(bytes, kind, what) of the `top` largest buffers alive at `step`."""
+        return [(nbytes, kind, self._owner_name(owner, kind))
+                for nbytes, kind, owner in timeline.alive_at(step)[:top]]
 
     def _owner_name(self, owner, kind):
         graph = self.graph
