@@ -1008,6 +1008,7 @@ def draw_picture(args):
 
     import memsave
     from benchmarks.models import build_model
+    from memsave import environment
 
     strategy = next((s for s in _parse_list(args.strategies) or [] if s != BASELINE), "memory")
     if strategy.startswith("budget:"):
@@ -1027,8 +1028,14 @@ def draw_picture(args):
                                     checkpoints=checkpoints))
         return tf.constant(0.0)
 
-    tf.function(planned, autograph=False).get_concrete_function(
-        *[tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in bench.inputs])
+    # Planned for the allocator the measured runs have (a CPU's BFC, as measure sets it;
+    # the capped one-region device under --memory-limit-mb), so the report's peaks are
+    # those the table predicts.
+    allocator = (environment.ONE_REGION if args.memory_limit_mb
+                 else None if tf.config.list_physical_devices("GPU") else environment.CPU_GROWING)
+    with environment.assuming_allocator(allocator):
+        tf.function(planned, autograph=False).get_concrete_function(
+            *[tf.TensorSpec(x.shape, tf.as_dtype(x.dtype)) for x in bench.inputs])
     report = reports[-1]
     limit = args.memory_limit_mb << 20 if args.memory_limit_mb else None
     print(f"{bench.description}; strategy {strategy}; {measure.device_description()}")

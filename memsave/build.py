@@ -298,7 +298,8 @@ class _Builder:
         running = ordering.copies_that_run(copy.ops, made_before)
         self.built.segments.append(report_lib.SegmentInfo(
             ends_at=[y.name for y in seg_ys], copied_ops=len(copy), recomputed_ops=len(running),
-            recomputed_bytes=sum(estimated_bytes(t) for op in running for t in op.outputs)))
+            recomputed_bytes=sum(estimated_bytes(t, self.step_graph.unknown_dim_size)
+                                 for op in running for t in op.outputs)))
         logger.debug("memsave: %s recomputes %d ops ending at %s", label, len(running),
                      [y.name for y in seg_ys])
 

@@ -149,6 +149,8 @@ def _inter_op_threads(kernels, under_xla):
 # The allocator a device whose memory is capped holds it with: one region, as a GPU's
 # (memsave.capacity plans for such a device on a CPU too).
 ONE_REGION = "BFC (one region)"
+# The CPU's BFC allocator as TF_CPU_ALLOCATOR_USE_BFC runs it: regions grown on demand.
+CPU_GROWING = "BFC (CPU, growing)"
 _assumed_allocator = ScopedValues()
 
 
@@ -166,7 +168,7 @@ def _allocator(accelerator):
         growing = os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true"
         return "BFC (GPU, growing)" if growing else "BFC (GPU)"
     if cpu_uses_bfc():
-        return "BFC (CPU, growing)"
+        return CPU_GROWING
     return None
 
 

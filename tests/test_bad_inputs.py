@@ -6,7 +6,7 @@ are answered, not refused: tests/test_parity.py. Checkpoints equal to an x or a 
 or off the path, are dropped with a MemsaveWarning; the same graph rewritten twice
 gives the same GraphDef.
 
-The cases here are the ones listed in the README's Troubleshooting table.
+The cases here are the ones listed in docs/troubleshooting.md's table of bad input.
 """
 
 import functools

@@ -66,11 +66,12 @@ class Costs:
                 raise MemsaveError(f"Costs.{field.name} is {value!r}; pass a number >= 0 "
                                    "(FLOPs of the machine's matmuls and convolutions)")
 
-    def of(self, op):
-        """What running `op` once costs (without the per-op overhead)."""
+    def of(self, op, unknown_dim_size=1):
+        """What running `op` once costs (without the per-op overhead), its unknown
+        dimensions as `unknown_dim_size` (the batch the step is planned for)."""
         if op.type in opinfo.HEAVY_OP_TYPES:
-            return opinfo.flops(op)
-        elements = opinfo.output_elements(op)
+            return opinfo.flops(op, unknown_dim_size)
+        elements = opinfo.output_elements(op, unknown_dim_size)
         if op.type in NORMALISATION_OP_TYPES:
             return int(elements * self.per_normalised_element)
         return int(elements * self.per_element)

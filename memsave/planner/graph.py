@@ -232,7 +232,7 @@ class StepGraph:
         self.grad_reads.append([])
         self.grad_inputs.append([])
         self.grad_temporaries.append(0)
-        self.cost.append(self.costs.of(op) if kind == REGION else 0)
+        self.cost.append(self.costs.of(op, self.unknown_dim_size) if kind == REGION else 0)
 
     def _size_workspaces(self, kernels):
         for tid, t in enumerate(self.tensors):

@@ -343,21 +343,32 @@ def _elements(shape):
     return math.prod(1 if d is None else d for d in shape)
 
 
-def output_elements(op):
-    """Elements of `op`'s outputs (unknown dimensions count as 1)."""
-    return sum(_elements(t.shape.as_list()) for t in op.outputs if t.shape.rank is not None)
+def _dims(t, unknown_dim_size=1):
+    """`t`'s dimensions, unknown ones as `unknown_dim_size` (a
+    memsave.planner.shapes.UnknownDims first fills in those shape inference gives)."""
+    shape_of = getattr(unknown_dim_size, "shape_of", None)
+    shape = shape_of(t) if shape_of is not None else t.shape
+    if shape.rank is None:
+        return None
+    return [int(unknown_dim_size) if d is None else d for d in shape.as_list()]
 
 
-def flops(op):
+def output_elements(op, unknown_dim_size=1):
+    """Elements of `op`'s outputs (unknown dimensions count as `unknown_dim_size`)."""
+    dims = (_dims(t, unknown_dim_size) for t in op.outputs)
+    return sum(_elements(d) for d in dims if d is not None)
+
+
+def flops(op, unknown_dim_size=1):
     """Estimated cost of running `op` once, in floating-point operations.
 
     Matmuls and convolutions count 2 per multiply-add; other ops one per output
     element (memsave.planner.costs prices those by the machine). Unknown
-    dimensions count as 1.
+    dimensions count as `unknown_dim_size` (the batch the step is planned for).
     """
-    out_elements = output_elements(op)
+    out_elements = output_elements(op, unknown_dim_size)
     if op.type in MATMUL_LIKE and op.inputs and op.inputs[0].shape.rank:
-        a = op.inputs[0].shape.as_list()
+        a = _dims(op.inputs[0], unknown_dim_size)
         transpose_a = _attr(op, "transpose_a") or _attr(op, "adj_x")
         inner = a[-2] if transpose_a else a[-1]
         return 2 * out_elements * (inner or 1)
@@ -371,11 +382,11 @@ def flops(op):
             window = _elements(kernel[:-1])
         return 2 * out_elements * window
     if op.type == "Einsum":
-        return _einsum_flops(op, out_elements)
+        return _einsum_flops(op, out_elements, unknown_dim_size)
     return out_elements
 
 
-def _einsum_flops(op, out_elements):
+def _einsum_flops(op, out_elements, unknown_dim_size):
     """2 x the product of every distinct index's size (a contraction's multiply-adds)."""
     equation = _attr(op, "equation")
     if not equation or "->" not in equation or "." in equation:
@@ -383,9 +394,10 @@ def _einsum_flops(op, out_elements):
     operands = equation.split("->")[0].split(",")
     sizes = {}
     for letters, t in zip(operands, op.inputs):
-        if t.shape.rank is None or len(letters) != t.shape.rank:
+        dims = _dims(t, unknown_dim_size)
+        if dims is None or len(letters) != len(dims):
             return out_elements
-        for letter, d in zip(letters, t.shape.as_list()):
+        for letter, d in zip(letters, dims):
             sizes[letter] = max(sizes.get(letter, 1), d or 1)
     return 2 * math.prod(sizes.values())
 
