@@ -574,10 +574,9 @@ def _max_relative_error(path, reference_path):
 
 
 def default_strategies(model):
-    strategies = [BASELINE, "speed", "memory"]
-    if model in MARKING_MODELS:
-        strategies.append("collection")
-    return strategies
+    """What a run without --strategies compares: the README's table's columns ('memory',
+    budget(0.5)) and 'speed'; 'collection' (on MARKING_MODELS) when asked for."""
+    return [BASELINE, "memory", "budget:0.5", "speed"]
 
 
 def compare(model="cnn", depth=None, batch=None, strategies=None, steps=5, warmup=2, seed=0,
@@ -962,7 +961,8 @@ def budget_sweep(model="cnn", budgets=DEFAULT_BUDGETS, depth=None, batch=None, s
     """tf.gradients, the named strategies and memsave.budget(F) for every F, each in its
     own process. Budgets below the smallest feasible one come back as errors
     (memsave says which peak it can reach), so the curve ends where memsave must."""
-    strategies = default_strategies(model) + [f"budget:{b:g}" for b in budgets]
+    strategies = ([s for s in default_strategies(model) if not s.startswith("budget:")]
+                  + [f"budget:{b:g}" for b in budgets])
     return compare(model, depth, batch, strategies, steps, warmup, seed, None, model_options,
                    timeout, paired=paired)
 
@@ -1085,8 +1085,8 @@ def main(argv=None):
                              "(--model keras built in keras.RematScope(mode=MODE): full, "
                              "activations, larger_than); a memsave strategy may end in "
                              "+chunk:K (its loops recomputed in chunks of K iterations, 1: "
-                             "none; memsave.recompute_loops(chunk=K)); default: all that apply "
-                             "to the model")
+                             "none; memsave.recompute_loops(chunk=K)); default: "
+                             "tf.gradients,memory,budget:0.5,speed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--app", default=None,
                         help="keras.applications model for --model keras (default ResNet50)")

@@ -19,12 +19,16 @@ class MemsaveError(ValueError):
     input); the subclasses below also carry the other types tf.gradients raises.
     """
 
-    def __init__(self, message, hint=None):
-        if not message.startswith(MESSAGE_PREFIX):
-            message = MESSAGE_PREFIX + message
-        if hint:
-            message = f"{message} {hint}"
-        super().__init__(message)
+    def __str__(self):
+        message = super().__str__()
+        return message if MESSAGE_PREFIX in message else MESSAGE_PREFIX + message
+
+
+# AutoGraph re-raises an error from inside a tf.function as its own type only where that
+# type is built as Exception is (from the message alone); any other becomes a StagingError
+# that `except memsave.MemsaveError` (or ValueError) does not catch. So no __init__ of
+# its own: the prefix is added when the message is read.
+MemsaveError.__init__ = Exception.__init__
 
 
 class MemsaveTypeError(MemsaveError, TypeError):

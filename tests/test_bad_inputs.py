@@ -344,3 +344,43 @@ def test_the_same_graph_built_twice_gives_the_same_rewritten_graph_def(kind, str
     second = _rewritten_graph_def(kind, strategy)
     assert any("recompute" in node.name for node in first.node)
     assert first.SerializeToString(deterministic=True) == second.SerializeToString(deterministic=True)
+
+
+def _refusal(call):
+    """The refusal's text (inside a tf.function, after AutoGraph's "in user code" trace)."""
+    with pytest.raises(memsave.MemsaveError) as refused:
+        call()
+    text = str(refused.value)
+    return text[text.rindex("memsave: "):].strip()
+
+
+def test_every_entry_point_refuses_an_unknown_strategy_with_one_text_naming_every_form():
+    def gradients():
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [2])
+            memsave.gradients(tf.reduce_sum(tf.tanh(x)), [x], checkpoints="fastest")
+
+    def tape():
+        @tf.function  # (with AutoGraph, which re-raises a MemsaveError as one)
+        def step(x):
+            with memsave.GradientTape(checkpoints="fastest") as t:
+                t.watch(x)
+                y = tf.reduce_sum(tf.tanh(x))
+            return t.gradient(y, x)
+        step(tf.ones([2]))
+
+    def patched():
+        with memsave.patch(checkpoints="fastest"):
+            pass
+
+    texts = {name: _refusal(call) for name, call in [
+        ("gradients", gradients), ("GradientTape", tape), ("patch", patched),
+        ("gradient_function", lambda: memsave.gradient_function(checkpoints="fastest")),
+        ("MemsaveOptimizer", lambda: memsave.MemsaveOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.1), checkpoints="fastest"))]}
+    assert len(set(texts.values())) == 1, texts
+    text = texts["gradients"]
+    assert text.startswith("memsave: unknown checkpoints strategy 'fastest'; expected ")
+    for form in ("a list of tensors", "'collection', 'memory', 'speed'", "memsave.budget(limit)",
+                 "a strategy callable"):
+        assert form in text, (form, text)

@@ -11,7 +11,7 @@ of the graph: tensors on the path, the xs, the ys and tensors off the path
 Graphs whose ys depend on no x must be refused with MemsaveError, adding no op.
 
 Size of the run:
-  default (CI): MEMSAVE_HYPOTHESIS_EXAMPLES unset -> 150 v1 graphs + 20 tf.function graphs;
+  default (CI): MEMSAVE_HYPOTHESIS_EXAMPLES unset -> 100 v1 graphs + 20 tf.function graphs;
   larger:       MEMSAVE_HYPOTHESIS_EXAMPLES=2000 pytest tests/test_properties.py
                 --hypothesis-show-statistics   (the tf.function test gets a tenth).
 Each example builds one small graph and evaluates tf.gradients and four to six
@@ -32,7 +32,7 @@ import memsave
 
 from _gradcheck import Case, assert_same_gradients, build_all, evaluate
 
-EXAMPLES = int(os.environ.get("MEMSAVE_HYPOTHESIS_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("MEMSAVE_HYPOTHESIS_EXAMPLES", "100"))
 FUNCTION_EXAMPLES = max(10, EXAMPLES // 10) if "MEMSAVE_HYPOTHESIS_EXAMPLES" in os.environ else 20
 BATCH, WIDTH = 3, 4
 UNARY = ("tanh", "sin", "sigmoid", "scale", "square", "stop_gradient", "dropout")
