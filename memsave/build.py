@@ -107,8 +107,8 @@ def _check_acyclic(new_ops):
     raise MemsaveError(
         f"the rewrite would close a cycle of {len(on_cycles)} ops ({names}), so no gradients "
         "were returned; this is a bug in memsave, please report it with the model. Meanwhile, "
-        "another strategy (e.g. checkpoints='memory' or a list) or tf.gradients avoids it",
-        hint=DEBUG_HINT)
+        f"another strategy (e.g. checkpoints='memory' or a list) or tf.gradients avoids it "
+        f"{DEBUG_HINT}")
 
 
 class _Builder:

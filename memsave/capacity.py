@@ -33,6 +33,7 @@ from memsave import report as report_lib
 from memsave.errors import MemsaveError
 from memsave.graph import _tf_private
 from memsave.limits import parse_memory_limit  # noqa: F401 (memsave.capacity.parse_memory_limit)
+from memsave.planner import costs
 
 # The largest batch a search tries unless told otherwise.
 MAX_BATCH = 1 << 20
@@ -42,7 +43,6 @@ MAX_BATCH = 1 << 20
 HEADROOM = 0.05
 # A training step as forward passes (the backward pass is about two): what a
 # recomputed forward pass adds to a step's time, as a first estimate.
-STEP_IN_FORWARD_PASSES = 3.0
 
 def device_memory_limit():
     """(bytes, where they came from) of the device TensorFlow runs the step on: a GPU's
@@ -77,10 +77,9 @@ class BatchPeak:
 
     @property
     def step_time(self):
-        """The plan's step time over plain TensorFlow's, estimated as one step of
-        STEP_IN_FORWARD_PASSES forward passes plus what it recomputes (issue: the cost
-        model's own prediction of time)."""
-        return 1.0 + self.recompute_fraction / STEP_IN_FORWARD_PASSES
+        """The plan's step time over plain TensorFlow's, as the cost model predicts it
+        (memsave.planner.costs.step_time_ratio)."""
+        return costs.step_time_ratio(self.recompute_fraction, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +136,7 @@ class Capacity:
         lines.append("(predicted by memsave's memory model; * marks a peak over "
                      f"{_mib(self.usable_bytes)}; "
                      "step time: recomputation as forward passes over a step of "
-                     f"{STEP_IN_FORWARD_PASSES:g})")
+                     f"{costs.STEP_IN_FORWARD_PASSES:g})")
         return "\n".join(lines)
 
     def _answer(self, batch, field):

@@ -12,6 +12,7 @@ import logging
 import threading
 from typing import List, Optional, Tuple
 
+from memsave.planner import costs
 from memsave.planner.loops import tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,15 @@ class RewriteReport:
         """Recomputation as a fraction of one forward pass (0 when nothing is recomputed)."""
         return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
 
+    @property
+    def step_time_ratio(self):
+        """The step time over plain tf.gradients', as the cost model predicts it
+        (memsave.planner.costs.step_time_ratio; 1 where plain tf.gradients answered)."""
+        if self.fallback:
+            return 1.0
+        return costs.step_time_ratio(self.recompute_flops + self.transfer_flops,
+                                     self.forward_flops)
+
     def summary(self):
         if self.fallback:
             return f"memsave: plain tf.gradients used ({self.fallback}){self._peaks()}"
@@ -184,7 +194,8 @@ class RewriteReport:
                 f"({_mb(self.kept_bytes)} kept; largest "
                 f"{', '.join(f'{c.name} {_mb(c.bytes)}' for c in largest)}) over a region of "
                 f"{self.region_ops} ops; {self._recomputation()}, about "
-                f"{self.recompute_fraction:.0%} of a forward pass; {len(self.not_recomputable)} "
+                f"{self.recompute_fraction:.0%} of a forward pass (a step of about "
+                f"{self.step_time_ratio:.2f}x tf.gradients' time); {len(self.not_recomputable)} "
                 f"ops kept as not recomputable{self._loops()}{self._deferred()}{self._offload()}"
                 f"{self._peaks()}")
 

@@ -19,7 +19,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import (  # noqa: E402
-    bench_rewrite_time, compare, graph_kinds, models, peak_breakdown, step_peaks)
+    bench_rewrite_time, compare, graph_kinds, models, peak_breakdown, step_peaks,
+    time_breakdown)
 from memsave import measure  # noqa: E402
 
 TINY = {
@@ -431,3 +432,21 @@ def test_picture_draws_the_plan_against_tf_gradients_without_running(capsys):
     assert "the limit 8.0 MiB" in printed and "tf.gradients: peak" in printed
     with pytest.raises(SystemExit, match="--picture draws one of"):
         compare.main(["--model", "mlp", "--depth", "4", "--picture", "--strategies", "every:2"])
+
+
+def test_time_breakdown_sums_the_recomputed_ops_apart_and_times_the_plan_without_its_order():
+    result = time_breakdown.measure_breakdown("mlp", "memory", depth=8, batch=256, steps=1,
+                                              profiled=1, variants=True)
+    theirs, mine = result["tf.gradients"], result["memory"]
+    # The copies run only in memsave's step; both run the same forward pass.
+    assert theirs["runs"]["recomputed"] == 0 < mine["runs"]["recomputed"]
+    assert mine["seconds"]["recomputed"] > 0
+    assert theirs["runs"]["forward"] == mine["runs"]["forward"] > 0
+    assert theirs["runs"]["backward"] > 0 and mine["runs"]["backward"] > 0
+    assert result["time_ratio"] > 0 and set(result["variants"]) == set(time_breakdown.VARIANTS)
+    facts = time_breakdown.derived(result)
+    assert facts["recomputed_alone"] > 1
+    printed = time_breakdown.format_breakdown(result)
+    for line in ("recomputed", "beyond the recomputation", "without ordering edges",
+                 "ran side by side"):
+        assert line in printed, printed

@@ -235,3 +235,12 @@ def test_budget_strategy_fits_and_is_saved(tmp_path, reference_history):
     assert loaded.memsave_checkpoints.limit == 1.0
     assert loaded.memsave_checkpoints.unknown_dim_size == BATCH
     assert loaded.memsave_checkpoints.offload == offload
+
+
+def test_a_time_budget_is_saved_with_the_model():
+    model = _functional(memsave.keras.MemsaveModel, checkpoints=memsave.budget(time=1.25))
+    config = model.get_config()
+    assert config["memsave_checkpoints"]["time"] == 1.25
+    rebuilt = memsave.keras.MemsaveModel.from_config(config)
+    assert rebuilt.memsave_checkpoints.time == 1.25 and rebuilt.memsave_checkpoints.limit is None
+    assert repr(rebuilt.memsave_checkpoints) == "memsave.budget(time=1.25)"

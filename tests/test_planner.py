@@ -942,6 +942,68 @@ def test_bad_budget_limits_are_refused(limit):
         memsave.budget(limit)
 
 
+@pytest.mark.parametrize("time", [1, 0.5, 1.0, "fast", True, float("nan"), float("inf")])
+def test_bad_budget_times_are_refused(time):
+    with pytest.raises(memsave.MemsaveError, match=r"budget time is .*a multiple of "
+                                                   r"tf.gradients' \(a number > 1"):
+        memsave.budget(time=time)
+
+
+def test_a_time_budget_keeps_the_lowest_peak_within_its_predicted_step_time():
+    """memsave.budget(time=T): the other corner of the trade. The longer the time
+    allowed, the lower the peak, down to 'memory''s; each plan's predicted step time
+    (report.step_time_ratio: three forward passes plus the recomputation) within T."""
+    graph, loss, x = _matmul_chain_graph(24)
+    with graph.as_default():
+        lowest = memsave.plan(loss, [x], "memory")
+        reports = {time: memsave.plan(loss, [x], memsave.budget(time=time))
+                   for time in (1.05, 1.15, 1.3, 2.0)}
+    previous = None
+    for time, report in reports.items():
+        assert report.fallback is None, (time, report.fallback)
+        assert 1 < report.step_time_ratio <= time
+        assert f"within {time:g}x tf.gradients' step time" in report.checkpoints[0].reason
+        assert report.strategy == f"budget(time={time!r})"
+        if previous is not None:
+            assert report.predicted_peak_bytes <= previous.predicted_peak_bytes
+        previous = report
+    assert reports[1.05].predicted_peak_bytes > reports[1.3].predicted_peak_bytes
+    assert reports[2.0].predicted_peak_bytes <= lowest.predicted_peak_bytes * 1.02
+    assert reports[1.05].recompute_flops < reports[2.0].recompute_flops
+    assert lowest.step_time_ratio > 1.05  # (so the shortest time had to give up peak)
+
+
+def test_a_time_budget_with_a_limit_it_cannot_meet_names_both():
+    graph, loss, x = _matmul_chain_graph(24)
+    with graph.as_default():
+        before = len(graph.get_operations())
+        with pytest.raises(memsave.MemsaveError, match=r"the budget of [\d.]+ MiB within "
+                           r"1.05x tf.gradients' step time cannot be met: the lowest predicted "
+                           r"peak within that time is"):
+            memsave.gradients(loss, [x], checkpoints=memsave.budget(0.3, time=1.05))
+        assert len(graph.get_operations()) == before
+
+
+def test_time_budget_gradients_equal_tf_gradients_in_float64():
+    rng = np.random.default_rng(1)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float64, [512, 128])
+        h, weights = x, []
+        for i in range(16):
+            w = tf.constant(rng.standard_normal([128, 128]) * 0.15)
+            weights.append(w)
+            h = tf.tanh(h @ w)
+        loss = tf.reduce_sum(h ** 2)
+        expected = tf.gradients(loss, [x] + weights)
+        got = memsave.gradients(loss, [x] + weights, checkpoints=memsave.budget(time=1.2))
+        assert memsave.last_report().segments
+        with tf.compat.v1.Session() as session:
+            want, have = session.run([expected, got], {x: rng.uniform(-1, 1, [512, 128])})
+    for w, h in zip(want, have):
+        np.testing.assert_allclose(h, w, rtol=1e-12, atol=1e-14)
+
+
 def test_budget_gradients_equal_tf_gradients():
     graph, loss, x = _chain_graph(20)
     with graph.as_default():

@@ -116,8 +116,7 @@ def train_step(model, data, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
     """
     _check_backend()
     if tf.executing_eagerly():
-        raise MemsaveError("memsave.keras train_step is running eagerly.",
-                           hint=_RUN_EAGERLY_HINT)
+        raise MemsaveError(f"memsave.keras train_step is running eagerly. {_RUN_EAGERLY_HINT}")
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if model._call_has_training_arg:  # pylint: disable=protected-access
         y_pred = model(x, training=True)
@@ -176,6 +175,7 @@ class MemsaveTrainStep:
             config["memsave_checkpoints"] = checkpoints
         elif isinstance(checkpoints, _budget):
             config["memsave_checkpoints"] = {"budget": checkpoints.limit,
+                                             "time": checkpoints.time,
                                              "unknown_dim_size": checkpoints.unknown_dim_size,
                                              "offload": _offload_config(checkpoints.offload)}
         config["memsave_offload"] = _offload_config(self.memsave_offload)
@@ -187,7 +187,7 @@ class MemsaveTrainStep:
         config = dict(config)
         checkpoints = config.pop("memsave_checkpoints", cls.memsave_checkpoints)
         if isinstance(checkpoints, dict) and "budget" in checkpoints:
-            checkpoints = _budget(checkpoints["budget"],
+            checkpoints = _budget(checkpoints["budget"], time=checkpoints.get("time"),
                                   unknown_dim_size=checkpoints.get("unknown_dim_size"),
                                   offload=_offload_from_config(checkpoints.get("offload")))
         offload = _offload_from_config(config.pop("memsave_offload", cls.memsave_offload))

@@ -186,7 +186,7 @@ class MemsaveOptimizer(tf.compat.v1.train.Optimizer):
         """
         if tf.executing_eagerly():
             raise MemsaveError(
-                "MemsaveOptimizer.compute_gradients was called eagerly.", hint=_EAGER_HINT)
+                f"MemsaveOptimizer.compute_gradients was called eagerly. {_EAGER_HINT}")
         if callable(loss):
             with tf.GradientTape() as tape:
                 if var_list is not None:

@@ -34,6 +34,18 @@ NORMALISATION_OP_TYPES = frozenset([
 # A backward pass runs about twice the FLOPs of its forward pass (the gradients
 # with respect to an op's inputs and to its weights).
 BACKWARD_TO_FORWARD = 2
+# So a training step is about this many forward passes.
+STEP_IN_FORWARD_PASSES = 1 + BACKWARD_TO_FORWARD
+
+
+def step_time_ratio(added_flops, forward_flops):
+    """A plan's step time over plain tf.gradients', as the cost model predicts it: the
+    step's STEP_IN_FORWARD_PASSES forward passes plus what the plan adds (its
+    recomputation and transfers, `added_flops`), over the step. What the rewrite costs
+    beyond its recomputation (benchmarks/time_breakdown.py) is not in it."""
+    if not forward_flops:
+        return 1.0
+    return 1.0 + added_flops / (STEP_IN_FORWARD_PASSES * forward_flops)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,15 +5,19 @@
 - `budget(limit)`: the least recomputation whose predicted peak fits in `limit`
   bytes (an int) or in that fraction of plain tf.gradients' predicted peak; with
   `offload=`, large checkpoints may go to host memory instead of being
-  recomputed, where the transfer costs less.
+  recomputed, where the transfer costs less;
+- `budget(time=T)`: the other corner of the trade, the lowest predicted peak whose
+  predicted step time is at most T times plain tf.gradients'.
 """
+
+import math
 
 import numbers
 
 from memsave import offload as offload_lib
 from memsave import planner
 from memsave.errors import MemsaveError
-from memsave.planner import search
+from memsave.planner import costs, search
 from memsave.planner.calibrated import MemoryCalibration
 from memsave.strategies.base import Choice, Selection
 from memsave.strategies.speed import EXPENSIVE_OP_TYPES
@@ -69,14 +73,15 @@ def lowest_peak(tolerance=None):
 
 
 class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=memsave.budget(...))
-    """A strategy: the least recomputation whose predicted peak fits in `limit`.
+    """A strategy: the least recomputation whose predicted peak fits in `limit`, or the
+    lowest predicted peak whose predicted step time fits in `time`.
 
     Usable wherever `checkpoints=` is accepted: memsave.gradients(loss, xs,
-    checkpoints=memsave.budget(0.5)).
+    checkpoints=memsave.budget(0.5)), checkpoints=memsave.budget(time=1.2).
 
     Args:
       limit: bytes (an int > 0), or a fraction in (0, 1] of plain tf.gradients'
-        predicted peak for the same step.
+        predicted peak for the same step; None with `time`.
       unknown_dim_size: the size the memory model assumes for unknown dimensions
         (e.g. the batch of a [None, ...] placeholder); default 1.
       offload: as `memsave.gradients`' `offload=` (False, True, a device string or
@@ -88,39 +93,45 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         one, a fraction is of tf.gradients' *measured* peak, and each plan's predicted
         peak is scaled to the measurement (memsave.planner.calibrated.Calibrated) before it is
         compared with the limit; the report says so (`memory_calibration`).
+      time: the most step time to accept, as a multiple of plain tf.gradients' (a
+        number > 1, e.g. 1.2), as the cost model predicts it (report.step_time_ratio:
+        the step's three forward passes plus the recomputation; what the rewrite costs
+        beyond that is not in it: benchmarks/time_breakdown.py). The plan is then the
+        lowest predicted peak within it (and within `limit` where one is given too).
     Raises:
       MemsaveError: for a bad limit, offload or calibration (here), and, when the
         gradients are built, for a limit that no plan meets (naming the smallest
         reachable peak) or a calibration of another step.
     """
 
-    def __init__(self, limit, unknown_dim_size=None, offload=False, calibration=None):
+    def __init__(self, limit=None, unknown_dim_size=None, offload=False, calibration=None,
+                 time=None):
+        self.time = _checked_time(time)
+        if limit is None and self.time is not None:
+            self.limit = None
+        else:
+            self.limit = _checked_limit(limit)
         self.unknown_dim_size = planner.check_unknown_dim_size(unknown_dim_size)
         self.offload = offload_lib.normalise(offload)
         if calibration is not None and not isinstance(calibration, MemoryCalibration):
             raise MemsaveError(f"budget's calibration is a {type(calibration).__name__}; pass "
                                "what memsave.calibrate_memory(step, ...) returns, or None")
         self.calibration = calibration
-        if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
-            raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int, e.g. 512 * 2**20) "
-                               "or a fraction in (0, 1] of tf.gradients' peak (e.g. 0.5)")
-        if isinstance(limit, numbers.Integral) and limit > 1:
-            self.limit = int(limit)
-        elif 0 < limit <= 1:  # (NaN fails this too)
-            self.limit = float(limit)
-        else:
-            raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int > 1) or a fraction "
-                               "in (0, 1] of tf.gradients' peak (e.g. 0.5)")
-        self.__name__ = f"budget({self.limit!r})"
+        self.__name__ = f"budget({self._arguments()})"
+
+    def _arguments(self):
+        given = [] if self.limit is None else [repr(self.limit)]
+        return ", ".join(given + ([] if self.time is None else [f"time={self.time!r}"]))
 
     def __repr__(self):
         offload = f", offload={self.offload!r}" if self.offload else ""
-        return f"memsave.budget({self.limit!r}{offload})"
+        return f"memsave.budget({self._arguments()}{offload})"
 
     def limit_bytes(self, model, calibrated=None):
         """The limit in bytes: a fraction is of tf.gradients' predicted peak, or with a
-        calibration (`calibrated`: memsave.planner.calibrated.Calibrated) of its measured one."""
-        if not isinstance(self.limit, float):
+        calibration (`calibrated`: memsave.planner.calibrated.Calibrated) of its measured one;
+        None where there is no limit (a time budget)."""
+        if self.limit is None or not isinstance(self.limit, float):
             return self.limit
         if calibrated is not None:
             return int(self.limit * calibrated.calibration.peak_bytes)
@@ -142,6 +153,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
             calibrated = self.calibration.calibrated(baseline.device_peak_bytes,
                                                      baseline.resident_bytes, dims_measured)
         shown = calibrated.measured if calibrated is not None else (lambda n: n)
+        if self.time is not None:
+            return self._within_time(problem, baseline, calibrated, shown)
         limit = self.limit_bytes(model, calibrated)
         if calibrated is not None and limit <= self.calibration.before_bytes:
             raise MemsaveError(
@@ -177,6 +190,65 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
                            offloaded if offloadable else None)
         return Selection(choices, read_checkpoints=prediction.reads_checkpoints,
                          recompute_ahead=prediction.recomputes_ahead, calibrated=calibrated)
+
+
+    def _within_time(self, problem, baseline, calibrated, shown):
+        """The lowest predicted peak whose predicted step time is within self.time (and
+        within the limit, where one is given too)."""
+        model = problem.model
+        max_cost = int((self.time - 1) * costs.STEP_IN_FORWARD_PASSES * model.forward_flops)
+        best = search.lowest_peak_within_cost(
+            model, max_cost, _expensive_outputs(model.graph),
+            offloadable=_offloadable(model, problem),
+            read_checkpoints=((True, False) if problem.environment.may_read_checkpoints
+                              else (False,)))
+        if best is None:
+            return Selection(plain=f"no plan is predicted within {self.time:g}x tf.gradients' "
+                                   "step time: plain tf.gradients", calibrated=calibrated)
+        prediction, plan, offloaded = best
+        if prediction.device_peak_bytes >= baseline.device_peak_bytes:
+            return Selection(plain=f"no plan within {self.time:g}x tf.gradients' predicted step "
+                                   "time peaks lower: plain tf.gradients",
+                             calibrated=calibrated)
+        peak = shown(prediction.device_peak_bytes)
+        limit = self.limit_bytes(model, calibrated)
+        if limit is not None and peak > limit:
+            raise MemsaveError(
+                f"the budget of {_mb(limit)} within {self.time:g}x tf.gradients' step time "
+                f"cannot be met: the lowest {_peak_kind(calibrated)} peak within that time is "
+                f"{_mb(peak)}; raise the limit to at least {_mb(peak)} or the time")
+        ratio = costs.step_time_ratio(prediction.cost_flops, prediction.forward_flops)
+        choices = _choices(model, plan, f"lowest {_peak_kind(calibrated)} peak within "
+                                        f"{self.time:g}x tf.gradients' step time (predicted "
+                                        f"{ratio:.2f}x, {_mb(peak)})",
+                           offloaded if problem.offload is not None else None)
+        return Selection(choices, read_checkpoints=prediction.reads_checkpoints,
+                         recompute_ahead=False, calibrated=calibrated)
+
+
+def _checked_limit(limit):
+    """A budget's limit as given: bytes (an int > 1) or a fraction in (0, 1]."""
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
+        raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int, e.g. 512 * 2**20) "
+                           "or a fraction in (0, 1] of tf.gradients' peak (e.g. 0.5), or a "
+                           "step time (time=1.2)")
+    if isinstance(limit, numbers.Integral) and limit > 1:
+        return int(limit)
+    if 0 < limit <= 1:  # (NaN fails this too)
+        return float(limit)
+    raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int > 1) or a fraction "
+                       "in (0, 1] of tf.gradients' peak (e.g. 0.5)")
+
+
+def _checked_time(time):
+    """A budget's time: None, or a multiple > 1 of tf.gradients' step time."""
+    if time is None:
+        return None
+    if (isinstance(time, bool) or not isinstance(time, numbers.Real) or math.isnan(time)
+            or time <= 1 or math.isinf(time)):
+        raise MemsaveError(f"budget time is {time!r}; pass the most step time you accept as "
+                           "a multiple of tf.gradients' (a number > 1, e.g. time=1.2)")
+    return float(time)
 
 
 def _peak_kind(calibrated):
