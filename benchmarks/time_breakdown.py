@@ -57,8 +57,14 @@ def _checkpoints(strategy, changes=None):
     import memsave
     from memsave import strategies
 
-    name, _, fraction = strategy.partition("budget:")
-    checkpoints = memsave.budget(float(fraction)) if not name and fraction else strategy
+    if strategy.startswith("budget:"):  # (a fraction or bytes, as compare.py reads it)
+        from benchmarks.compare import _budget_limit
+        checkpoints = memsave.budget(_budget_limit(strategy))
+    elif strategy in strategies.STRATEGIES:
+        checkpoints = strategy
+    else:
+        raise SystemExit(f"--strategy is {strategy!r}; expected one of "
+                         f"{', '.join(sorted(strategies.STRATEGIES))} or budget:F")
     if not changes:
         return checkpoints
     planner = strategies.STRATEGIES[checkpoints] if isinstance(checkpoints, str) else checkpoints
@@ -130,7 +136,7 @@ def profiled_op_times(call, steps):
                 for line in plane.lines:
                     for event in line.events:
                         name = names.get(event.metadata_id, "")
-                        if line.name == "python" and name == "KernelAndDeviceFunc::Run":
+                        if name == "KernelAndDeviceFunc::Run":  # (the call, on its thread)
                             walls.append(event.duration_ps * 1e-12)
                         elif (line.name.startswith("tf_Compute") and ":" in name
                               and "::" not in name):
@@ -211,6 +217,11 @@ def derived(result):
             "side_by_side": {BASELINE: side_by_side(theirs), strategy: side_by_side(mine)}}
 
 
+def _ratio(value, spec=".2f", unit="x"):
+    """`value` formatted, or "n/a" where the profile gave nothing to compute it from."""
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
 def format_breakdown(result, top=8):
     strategy = result["strategy"]
     theirs, mine = result[BASELINE], result[strategy]
@@ -232,11 +243,13 @@ def format_breakdown(result, top=8):
     walls = [part["wall_s"] * 1e3 if part["wall_s"] else float("nan") for part in (theirs, mine)]
     lines.append(f"{'step (profiled)':<22}{walls[0]:>12.1f} ms{'':7}{walls[1]:>16.1f} ms")
     lines.append("")
-    lines.append(f"the recomputed ops alone: {facts['recomputed_alone']:.2f}x; measured "
-                 f"{result['time_ratio']:.2f}x: {facts['beyond']:+.2f} beyond the recomputation")
+    lines.append(f"the recomputed ops alone: {_ratio(facts['recomputed_alone'])}; measured "
+                 f"{result['time_ratio']:.2f}x: {_ratio(facts['beyond'], '+.2f', '')} beyond "
+                 "the recomputation")
     side = facts["side_by_side"]
     lines.append(f"op time over the step's wall time (what ran side by side): tf.gradients "
-                 f"{side[BASELINE]:.2f}, {strategy} {side[strategy]:.2f}")
+                 f"{_ratio(side[BASELINE], '.2f', '')}, {strategy} "
+                 f"{_ratio(side[strategy], '.2f', '')}")
     if result.get("variants"):
         lines.append(f"{strategy} as planned: {result['time_ratio']:.2f}x")
     for variant, (ratio, peak) in result.get("variants", {}).items():

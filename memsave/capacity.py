@@ -41,8 +41,7 @@ MAX_BATCH = 1 << 20
 # a few percent from run to run with the order the executor runs its ops in, and what
 # the model cannot see (the runtime's own buffers) takes some too.
 HEADROOM = 0.05
-# A training step as forward passes (the backward pass is about two): what a
-# recomputed forward pass adds to a step's time, as a first estimate.
+
 
 def device_memory_limit():
     """(bytes, where they came from) of the device TensorFlow runs the step on: a GPU's

@@ -7,6 +7,7 @@ code written around `tf.gradients` catches what it caught before.
 """
 
 MESSAGE_PREFIX = "memsave: "
+_AUTOGRAPH_TRACE = "in user code:"
 DEBUG_HINT = ("(for details of what memsave chose, enable logging: "
               "logging.getLogger('memsave').setLevel(logging.DEBUG))")
 
@@ -21,7 +22,10 @@ class MemsaveError(ValueError):
 
     def __str__(self):
         message = super().__str__()
-        return message if MESSAGE_PREFIX in message else MESSAGE_PREFIX + message
+        # (AutoGraph's re-raised copy leads with its trace: the prefix is inside.)
+        if message.startswith((MESSAGE_PREFIX, _AUTOGRAPH_TRACE)):
+            return message
+        return MESSAGE_PREFIX + message
 
 
 # AutoGraph re-raises an error from inside a tf.function as its own type only where that

@@ -140,7 +140,6 @@ def test_a_function_traced_inside_batch_size_is_planned_for_it():
     assert (report.unknown_dim_size, report.unknown_dim_source) == (64, "memsave.batch_size(64)")
 
 
-
 def test_a_plan_for_a_batch_prices_its_recomputation_as_the_static_batch_would():
     # The cost model and the report's recomputed bytes size unknown dimensions as the
     # planned batch too: counted as 1, the per-op overhead made a segment of [batch, 256]
@@ -167,6 +166,8 @@ def test_a_plan_for_a_batch_prices_its_recomputation_as_the_static_batch_would()
     assert unknown.forward_flops == static.forward_flops
     assert unknown.recomputed_bytes == static.recomputed_bytes > 0
     assert [c.name for c in unknown.checkpoints] == [c.name for c in static.checkpoints]
+
+
 def test_batch_size_names_a_bad_value_and_nests():
     for bad in (0, -3, 2.5, "8", True):
         with pytest.raises(memsave.MemsaveError, match=r"batch_size is .*; pass a positive int"):

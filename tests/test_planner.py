@@ -945,7 +945,7 @@ def test_bad_budget_limits_are_refused(limit):
 @pytest.mark.parametrize("time", [1, 0.5, 1.0, "fast", True, float("nan"), float("inf")])
 def test_bad_budget_times_are_refused(time):
     with pytest.raises(memsave.MemsaveError, match=r"budget time is .*a multiple of "
-                                                   r"tf.gradients' \(a number > 1"):
+                                                   r"tf.gradients' \(a finite number > 1"):
         memsave.budget(time=time)
 
 
@@ -982,6 +982,18 @@ def test_a_time_budget_with_a_limit_it_cannot_meet_names_both():
                            r"peak within that time is"):
             memsave.gradients(loss, [x], checkpoints=memsave.budget(0.3, time=1.05))
         assert len(graph.get_operations()) == before
+
+
+@pytest.mark.planner_fallback
+def test_a_time_too_short_for_any_saving_leaves_tf_gradients_unless_a_limit_needs_one():
+    graph, loss, x = _matmul_chain_graph(24)
+    with graph.as_default():
+        report = memsave.plan(loss, [x], memsave.budget(time=1.001))
+        assert report.fallback and "peaks lower: plain tf.gradients" in report.fallback
+        assert report.step_time_ratio == 1.0
+        with pytest.raises(memsave.MemsaveError, match=r"within 1.001x tf.gradients' step time "
+                           r"cannot be met"):
+            memsave.plan(loss, [x], memsave.budget(0.5, time=1.001))
 
 
 def test_time_budget_gradients_equal_tf_gradients_in_float64():

@@ -564,31 +564,32 @@ def lowest_reachable_peak(model, offloadable=None):
 
 
 def lowest_peak_within_cost(model, max_cost, expensive, offloadable=None,
-                            read_checkpoints=(True, False), refinements=3):
+                            read_checkpoints=(True, False), refinements=3, replayed=3):
     """The plan with the lowest predicted peak (as the device's allocator holds it) whose
     cost, recomputation and transfers, is at most `max_cost`: (Prediction, checkpoint
-    ids, offloaded ids), or None where every plan costs more.
+    ids, offloaded ids), or None where no plan found costs that little.
 
     The greedy cuts over every segment size (of each kind of plan) and the lowest-peak
-    plan are tried first; the best of them is then lowered by bisection between the
-    lowest reachable peak and its own, `refinements` times, each a budget search (the
-    least costly plan under a limit: within_budget) kept where it stays within the cost.
+    plan are tried first, the `replayed` lowest of them by live tensors replayed through
+    the allocator; the best is then lowered by bisection between the lowest reachable peak
+    and its own (tf.gradients' where none was within the cost), `refinements` times, each
+    a budget search (the least costly plan under a limit: within_budget) kept where it
+    stays within the cost.
     """
     found = []
     for read in read_checkpoints:
         search = _Search(model, None, read)
-        found += [(search.predict(plan), list(plan), []) for plan in search.all_cut_plans()]
+        found += [(search.predict(plan), list(plan), read) for plan in search.all_cut_plans()]
     lowest = minimise_peak(model)
     if lowest is not None:
-        found.append((lowest[0], lowest[1], []))
-    found = [f for f in found if f[0].cost_flops <= max_cost]
-    if not found:
-        return None
-    prediction, plan, _ = min(found, key=lambda f: (f[0].peak_bytes, f[0].cost_flops))
-    search = _Search(model, None, prediction.reads_checkpoints)
-    best = (search.predict(plan, allocator=True), plan, [])
+        found.append((lowest[0], lowest[1], False))
+    found = sorted((f for f in found if f[0].cost_flops <= max_cost),
+                   key=lambda f: (f[0].peak_bytes, f[0].cost_flops))
+    held = [(_Search(model, None, read).predict(plan, allocator=True), plan, [])
+            for _, plan, read in found[:replayed]]
+    best = min(held, key=lambda f: (f[0].device_peak_bytes, f[0].cost_flops), default=None)
     low = lowest_reachable_peak(model, offloadable)
-    high = best[0].device_peak_bytes
+    high = (best[0] if best else model.baseline(allocator=True)).device_peak_bytes
     for _ in range(refinements if low is not None else 0):
         if high - low <= max(high // 100, 1):
             break

@@ -191,32 +191,31 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         return Selection(choices, read_checkpoints=prediction.reads_checkpoints,
                          recompute_ahead=prediction.recomputes_ahead, calibrated=calibrated)
 
-
     def _within_time(self, problem, baseline, calibrated, shown):
-        """The lowest predicted peak whose predicted step time is within self.time (and
-        within the limit, where one is given too)."""
+        """The lowest predicted peak whose predicted step time is within self.time; with a
+        limit too, refused where that peak is over the limit."""
         model = problem.model
+        limit = self.limit_bytes(model, calibrated)
         max_cost = int((self.time - 1) * costs.STEP_IN_FORWARD_PASSES * model.forward_flops)
         best = search.lowest_peak_within_cost(
             model, max_cost, _expensive_outputs(model.graph),
             offloadable=_offloadable(model, problem),
             read_checkpoints=((True, False) if problem.environment.may_read_checkpoints
                               else (False,)))
-        if best is None:
-            return Selection(plain=f"no plan is predicted within {self.time:g}x tf.gradients' "
-                                   "step time: plain tf.gradients", calibrated=calibrated)
-        prediction, plan, offloaded = best
-        if prediction.device_peak_bytes >= baseline.device_peak_bytes:
-            return Selection(plain=f"no plan within {self.time:g}x tf.gradients' predicted step "
-                                   "time peaks lower: plain tf.gradients",
-                             calibrated=calibrated)
+        if best is None or best[0].device_peak_bytes >= baseline.device_peak_bytes:
+            # Plain tf.gradients is the lowest peak within the time.
+            prediction, plan, offloaded = baseline, None, None
+        else:
+            prediction, plan, offloaded = best
         peak = shown(prediction.device_peak_bytes)
-        limit = self.limit_bytes(model, calibrated)
         if limit is not None and peak > limit:
             raise MemsaveError(
                 f"the budget of {_mb(limit)} within {self.time:g}x tf.gradients' step time "
                 f"cannot be met: the lowest {_peak_kind(calibrated)} peak within that time is "
                 f"{_mb(peak)}; raise the limit to at least {_mb(peak)} or the time")
+        if plan is None:
+            return Selection(plain=f"no plan within {self.time:g}x tf.gradients' predicted step "
+                                   "time peaks lower: plain tf.gradients", calibrated=calibrated)
         ratio = costs.step_time_ratio(prediction.cost_flops, prediction.forward_flops)
         choices = _choices(model, plan, f"lowest {_peak_kind(calibrated)} peak within "
                                         f"{self.time:g}x tf.gradients' step time (predicted "
@@ -237,7 +236,7 @@ def _checked_limit(limit):
     if 0 < limit <= 1:  # (NaN fails this too)
         return float(limit)
     raise MemsaveError(f"budget limit is {limit!r}; pass bytes (an int > 1) or a fraction "
-                       "in (0, 1] of tf.gradients' peak (e.g. 0.5)")
+                       "in (0, 1] of tf.gradients' peak (e.g. 0.5), or a step time (time=1.2)")
 
 
 def _checked_time(time):
@@ -247,7 +246,7 @@ def _checked_time(time):
     if (isinstance(time, bool) or not isinstance(time, numbers.Real) or math.isnan(time)
             or time <= 1 or math.isinf(time)):
         raise MemsaveError(f"budget time is {time!r}; pass the most step time you accept as "
-                           "a multiple of tf.gradients' (a number > 1, e.g. time=1.2)")
+                           "a multiple of tf.gradients' (a finite number > 1, e.g. time=1.2)")
     return float(time)
 
 
