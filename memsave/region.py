@@ -60,17 +60,23 @@ def why_not_recomputable(op):
     return None
 
 
-def estimated_bytes(t, unknown_dim_size=1):
-    """Static size estimate of a tensor; unknown dimensions count as `unknown_dim_size`
-    (a memsave.planner.shapes.UnknownDims first fills in those TensorFlow's shape
-    inference gives once the step's inputs have that size)."""
-    size = t.dtype.size if t.dtype not in (tf.string, tf.resource, tf.variant) else 0
+def sized_dims(t, unknown_dim_size=1):
+    """`t`'s dimensions with unknown ones counted as `unknown_dim_size` (a
+    memsave.planner.shapes.UnknownDims first fills in those TensorFlow's shape inference
+    gives once the step's inputs have that size); None where even the rank is unknown."""
     shape_of = getattr(unknown_dim_size, "shape_of", None)
     shape = shape_of(t) if shape_of is not None else t.shape
     if shape.rank is None:
-        return size
-    dims = [d if d is not None else int(unknown_dim_size) for d in shape.as_list()]
-    return math.prod(dims) * size
+        return None
+    return [d if d is not None else int(unknown_dim_size) for d in shape.as_list()]
+
+
+def estimated_bytes(t, unknown_dim_size=1):
+    """Static size estimate of a tensor; unknown dimensions count as `unknown_dim_size`
+    (sized_dims)."""
+    size = t.dtype.size if t.dtype not in (tf.string, tf.resource, tf.variant) else 0
+    dims = sized_dims(t, unknown_dim_size)
+    return size if dims is None else math.prod(dims) * size
 
 
 class ForwardRegion:

@@ -14,7 +14,7 @@ import math
 
 from memsave.environment import EIGEN, ONEDNN  # noqa: F401 (named once, there)
 from memsave.graph import _tf_private
-from memsave.region import SHAPE_READER_OP_TYPES
+from memsave.region import SHAPE_READER_OP_TYPES, sized_dims
 
 
 # Gradient reads nothing of the forward pass but static shapes.
@@ -343,19 +343,9 @@ def _elements(shape):
     return math.prod(1 if d is None else d for d in shape)
 
 
-def _dims(t, unknown_dim_size=1):
-    """`t`'s dimensions, unknown ones as `unknown_dim_size` (a
-    memsave.planner.shapes.UnknownDims first fills in those shape inference gives)."""
-    shape_of = getattr(unknown_dim_size, "shape_of", None)
-    shape = shape_of(t) if shape_of is not None else t.shape
-    if shape.rank is None:
-        return None
-    return [int(unknown_dim_size) if d is None else d for d in shape.as_list()]
-
-
 def output_elements(op, unknown_dim_size=1):
     """Elements of `op`'s outputs (unknown dimensions count as `unknown_dim_size`)."""
-    dims = (_dims(t, unknown_dim_size) for t in op.outputs)
+    dims = (sized_dims(t, unknown_dim_size) for t in op.outputs)
     return sum(_elements(d) for d in dims if d is not None)
 
 
@@ -368,7 +358,7 @@ def flops(op, unknown_dim_size=1):
     """
     out_elements = output_elements(op, unknown_dim_size)
     if op.type in MATMUL_LIKE and op.inputs and op.inputs[0].shape.rank:
-        a = _dims(op.inputs[0], unknown_dim_size)
+        a = sized_dims(op.inputs[0], unknown_dim_size)
         transpose_a = _attr(op, "transpose_a") or _attr(op, "adj_x")
         inner = a[-2] if transpose_a else a[-1]
         return 2 * out_elements * (inner or 1)
@@ -394,7 +384,7 @@ def _einsum_flops(op, out_elements, unknown_dim_size):
     operands = equation.split("->")[0].split(",")
     sizes = {}
     for letters, t in zip(operands, op.inputs):
-        dims = _dims(t, unknown_dim_size)
+        dims = sized_dims(t, unknown_dim_size)
         if dims is None or len(letters) != len(dims):
             return out_elements
         for letter, d in zip(letters, dims):

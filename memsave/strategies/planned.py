@@ -11,7 +11,6 @@
 """
 
 import math
-
 import numbers
 
 from memsave import offload as offload_lib
