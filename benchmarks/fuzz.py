@@ -17,7 +17,7 @@ Loops are recomputed (memsave.recompute_loops('always')) in chunks of 1, 2 or 3
 iterations, by the seed (`loop_chunk`). Every strategy is built with the rewrite forced
 (memsave.always_rewrite()): 'memory',
 'speed', 'collection', random checkpoint lists (with xs, ys and tensors off the
-path among them), and budgets. A graph passes when every gradient equals
+path among them), budgets and a time budget. A graph passes when every gradient equals
 tf.gradients' (relative error <= 1e-12, memsave's tests' measure, or absolute error
 <= 1e-13 for rounding noise of gradients that are zero in exact arithmetic), IndexedSlices
 stay IndexedSlices, no stateful op is copied and every custom gradient function is
@@ -322,6 +322,9 @@ def strategies_of(spec, lists):
     result = [("memory", "memory"), ("speed", "speed"), ("collection", "collection")]
     result += [(f"list{i}", list(checkpoints)) for i, checkpoints in enumerate(lists)]
     result += [(f"budget{b}", memsave.budget(b)) for b in spec["budgets"]]
+    # (a time budget: the lowest peak within 1.3x the step time; drawn from no random
+    # stream, so every seed's graph stays the one it was)
+    result.append(("time1.3", memsave.budget(time=1.3)))
     return result
 
 
