@@ -120,12 +120,13 @@ def usable(options, environment):
     return options
 
 
-def may_offload(t, options, accelerator):
+def may_offload(t, options, accelerator, unknown_dim_size=1):
     """Whether checkpoint `t` could be offloaded under `options` (an Offload or None):
-    large enough, and on another device than the one it would wait on. A checkpoint
-    TensorFlow places itself (no device set) is on an accelerator only if there is one
-    (`accelerator`)."""
-    if options is None or estimated_bytes(t) < options.min_bytes:
+    large enough (its unknown dimensions sized as the plan sizes them,
+    `unknown_dim_size`), and on another device than the one it would wait on. A
+    checkpoint TensorFlow places itself (no device set) is on an accelerator only if
+    there is one (`accelerator`)."""
+    if options is None or estimated_bytes(t, unknown_dim_size) < options.min_bytes:
         return False
     if not t.op.device and options.device is None:
         return accelerator
@@ -138,10 +139,12 @@ def _host(t, options):
 
 class Offloader:
     """The copies of one rewrite: one copy out per offloaded checkpoint, one copy back
-    per segment that reads it (the plan says which: memsave.planning.Plan.offloaded)."""
+    per segment that reads it (the plan says which: memsave.planning.Plan.offloaded).
+    `moved_bytes` sizes unknown dimensions as `unknown_dim_size` (the plan's)."""
 
-    def __init__(self, options):
+    def __init__(self, options, unknown_dim_size=1):
         self.options = options
+        self.unknown_dim_size = unknown_dim_size
         self._out = {}  # checkpoint name -> host copy
         self.moved_bytes = 0
 
@@ -150,7 +153,7 @@ class Offloader:
         if t.name not in self._out:
             with _uncolocated(), tf.device(_host(t, self.options)):
                 self._out[t.name] = tf.raw_ops.Snapshot(input=t, name="offload_out")
-            self.moved_bytes += estimated_bytes(t)
+            self.moved_bytes += estimated_bytes(t, self.unknown_dim_size)
         return self._out[t.name]
 
     def copy_back(self, t, wait_for):
@@ -162,7 +165,7 @@ class Offloader:
         graph = tf.compat.v1.get_default_graph()
         with graph.colocate_with(t.op, ignore_existing=True):
             back = tf.raw_ops.Snapshot(input=staged, name="offload_back")
-        self.moved_bytes += estimated_bytes(t)
+        self.moved_bytes += estimated_bytes(t, self.unknown_dim_size)
         return back
 
 

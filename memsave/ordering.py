@@ -33,18 +33,20 @@ def serialize_conv_gradients(copied_ops, deferred=frozenset()):
                     _tf_private.add_control_inputs(consumer, [partner])
 
 
-def large_ops_needed_by(grads, made_before, excluded, min_bytes):
+def large_ops_needed_by(grads, made_before, excluded, min_bytes, unknown_dim_size=1):
     """The ops made after the op numbered `made_before` (a segment's tf.gradients call)
     that its gradients `grads` need, but those in `excluded` (deferred weight gradients)
-    and in v1 control-flow frames, that hold at least `min_bytes` (`_holds_large_tensors`),
-    in the order they were made but within one gradient function (`_first_input_last`).
+    and in v1 control-flow frames, that hold at least `min_bytes` (`_holds_large_tensors`,
+    unknown dimensions sized as `unknown_dim_size`, as the plan sized them: counted as
+    1, a step traced with a batch of None had no op large and no order), in the order
+    they were made but within one gradient function (`_first_input_last`).
     (Ops nothing needs are left out: a control input from one would make TensorFlow
     run it.)"""
     seeds = [t.op for g in grads if g is not None
              for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
     needed = _walk_needed(seeds, made_before, stop_ops=excluded)
     large = [op for op in needed if _tf_private.control_flow_context(op) is None
-             and _holds_large_tensors(op, min_bytes)]
+             and _holds_large_tensors(op, min_bytes, unknown_dim_size)]
     return _first_input_last(sorted(large, key=_tf_private.creation_index), made_before)
 
 
@@ -103,16 +105,18 @@ def _walk_needed(seed_ops, made_before, stop_ops=frozenset()):
         stack.extend(op.control_inputs)
 
 
-def _holds_large_tensors(op, min_bytes):
+def _holds_large_tensors(op, min_bytes, unknown_dim_size=1):
     """Whether `op`'s outputs hold at least `min_bytes`, or it reads a tensor that
     large (its run decides when that is freed: a filter gradient, a small output, holds
     the convolution's input until it runs). Not an op that reads only shapes: Grappler
     folds it into a constant, which a control input would tie into a cycle (measured:
     a Conv2D gradient's ShapeN in a bfloat16 CNN)."""
-    if sum(estimated_bytes(t) for t in op.outputs) >= min_bytes:
+    def size(t):
+        return estimated_bytes(t, unknown_dim_size)
+
+    if sum(size(t) for t in op.outputs) >= min_bytes:
         return True
-    return (op.type not in SHAPE_READER_OP_TYPES
-            and any(estimated_bytes(t) >= min_bytes for t in op.inputs))
+    return op.type not in SHAPE_READER_OP_TYPES and any(size(t) >= min_bytes for t in op.inputs)
 
 
 def one_after_another(ops):

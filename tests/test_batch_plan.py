@@ -168,6 +168,41 @@ def test_a_plan_for_a_batch_prices_its_recomputation_as_the_static_batch_would()
     assert [c.name for c in unknown.checkpoints] == [c.name for c in static.checkpoints]
 
 
+def test_a_plan_for_a_batch_orders_and_offloads_as_the_static_batch_would():
+    # The rewrite sized the tensors of a step traced with a batch of None as a batch of 1
+    # where it decides which gradient ops run one after another and which checkpoints
+    # are large enough to offload: under fit, 'memory' had no ordering edges at all, and
+    # offload's min_bytes saw checkpoints 512 times too small.
+    weights = [tf.Variable(tf.random.normal([256, 256], seed=i) * 0.06) for i in range(12)]
+
+    def loss_of(x):
+        h = x
+        for w in weights:
+            h = tf.tanh(h @ w)
+        return tf.reduce_sum(h ** 2)
+
+    def built(spec, **kwargs):
+        @tf.function(input_signature=[spec])
+        def step(x):
+            return memsave.gradients(loss_of(x), weights, **kwargs)
+        with memsave.batch_size(512):
+            graph = step.get_concrete_function().graph
+        edges = sum(len(op.control_inputs) for op in graph.get_operations()
+                    if op.name.startswith("memsave/"))
+        return memsave.last_report(), edges
+
+    for kwargs in ({"checkpoints": "memory"},
+                   {"checkpoints": "memory", "offload": memsave.Offload("/CPU:0",
+                                                                        min_bytes=2 ** 18)}):
+        (unknown, unknown_edges), (static, static_edges) = (
+            built(tf.TensorSpec([None, 256]), **kwargs), built(tf.TensorSpec([512, 256]), **kwargs))
+        assert unknown.orders_backward and static.orders_backward
+        assert unknown_edges == static_edges > 0
+        assert unknown.offloaded == static.offloaded
+        assert unknown.offload_moved_bytes == static.offload_moved_bytes
+    assert static.offloaded and static.offload_moved_bytes >= 2 * 2 ** 19
+
+
 def test_batch_size_names_a_bad_value_and_nests():
     for bad in (0, -3, 2.5, "8", True):
         with pytest.raises(memsave.MemsaveError, match=r"batch_size is .*; pass a positive int"):

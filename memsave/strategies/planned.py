@@ -276,5 +276,6 @@ def _offloadable(model, problem):
         return None
     graph, accelerator = model.graph, problem.offload_accelerator
     tensors = frozenset(t for op in graph.region_op_ids() for t in graph.outputs[op]
-                        if offload_lib.may_offload(graph.tensors[t], options, accelerator))
+                        if offload_lib.may_offload(graph.tensors[t], options, accelerator,
+                                                   graph.unknown_dim_size))
     return search.Offloadable(tensors, options.prefetch, options.flops_per_byte)
