@@ -190,41 +190,43 @@ class RewriteReport:
         if self.fallback:
             return f"memsave: plain tf.gradients used ({self.fallback}){self._peaks()}"
         largest = sorted(self.checkpoints, key=lambda c: -c.bytes)[:3]
-        return (f"memsave: strategy {self.strategy}: {len(self.checkpoints)} checkpoints "
+        return (f"memsave: strategy {self.strategy}: {_count(len(self.checkpoints), 'checkpoint')} "
                 f"({_mb(self.kept_bytes)} kept; largest "
                 f"{', '.join(f'{c.name} {_mb(c.bytes)}' for c in largest)}) over a region of "
                 f"{self.region_ops} ops; {self._recomputation()}, about "
                 f"{self.recompute_fraction:.0%} of a forward pass (a step of about "
-                f"{self.step_time_ratio:.2f}x tf.gradients' time); {len(self.not_recomputable)} "
-                f"ops kept as not recomputable{self._loops()}{self._deferred()}{self._offload()}"
+                f"{self.step_time_ratio:.2f}x tf.gradients' time); "
+                f"{_count(len(self.not_recomputable), 'op')} kept as not recomputable{self._loops()}{self._deferred()}{self._offload()}"
                 f"{self._peaks()}")
 
     def _recomputation(self):
         ahead = ", each a segment ahead" if self.recomputes_ahead else ""
         ahead += ", large gradient ops one after another" if self.orders_backward else ""
         if not self.segments:  # (memsave.plan builds none: what the model predicts)
-            return (f"{self.predicted_segments} segments would recompute "
-                    f"{self.predicted_recomputed_ops} ops{ahead}")
-        return (f"{len(self.segments)} segments recompute {self.recomputed_ops} ops "
+            return (f"{_count(self.predicted_segments, 'segment')} would recompute "
+                    f"{_count(self.predicted_recomputed_ops, 'op')}{ahead}")
+        verb = "recomputes" if len(self.segments) == 1 else "recompute"
+        return (f"{_count(len(self.segments), 'segment')} {verb} "
+                f"{_count(self.recomputed_ops, 'op')} "
                 f"({_mb(self.recomputed_bytes)}){ahead}")
 
     def _loops(self):
         recomputed = sum(why.startswith(RECOMPUTED_LOOP) for _, why in self.loops)
         if not recomputed:
             return ""
-        return f"; {recomputed} loops recomputed in the backward pass"
+        return f"; {_count(recomputed, 'loop')} recomputed in the backward pass"
 
     def _deferred(self):
         if not self.deferred_gradients:
             return ""
-        return (f"; {self.deferred_gradients} weight gradients made after the last segment "
+        return (f"; {_count(self.deferred_gradients, 'weight gradient')} made after the last segment "
                 "(smaller to keep what they read)")
 
     def _offload(self):
         count = sum(c.offloaded for c in self.checkpoints)
         if not count:
             return ""
-        return (f"; {count} checkpoints offloaded to host memory "
+        return (f"; {_count(count, 'checkpoint')} offloaded to host memory "
                 f"({_mb(self.offload_moved_bytes)} moved per step)")
 
     def _peaks(self):
@@ -307,6 +309,11 @@ def loop_line(memory, why):
 
 def _mb(n):
     return f"{n / 2**20:.2f} MiB"
+
+
+def _count(n, noun):
+    """'1 checkpoint', '3 checkpoints'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 _latest_of_any_thread = [None]

@@ -110,7 +110,7 @@ def test_a_loop_is_differentiated_through_a_recomputing_copy(kind):
     assert "Tanh" not in pushed and "Mul" not in pushed, pushed
     assert set(pushed) <= {"Placeholder", "StridedSlice", "Shape"}, pushed
     assert [why.split(" ")[0] for _, why in report.loops] == ["recomputed"]
-    assert "1 loops recomputed in the backward pass" in report.summary()
+    assert "1 loop recomputed in the backward pass" in report.summary()
 
 
 @pytest.mark.parametrize("kind", ["v1", "function"])

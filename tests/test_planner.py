@@ -1314,7 +1314,7 @@ def test_the_rewrite_makes_deferred_weight_gradients_after_the_last_segment():
             feed = {x: np.random.default_rng(3).standard_normal([256, 256]).astype(np.float32)}
             want, have = session.run([expected, got], feed)
     assert report.deferred_gradients == 1
-    assert "1 weight gradients made after the last segment" in report.summary()
+    assert "1 weight gradient made after the last segment" in report.summary()
     # It waits for the gradients of the first segment (x's), made after its own.
     [weight_gradient] = weight_gradients
     assert any("segment_" in c.name for c in weight_gradient.control_inputs), \

@@ -16,6 +16,19 @@ def _chain(n=16):
     return tf.reduce_sum(h), x
 
 
+def test_the_summary_counts_one_of_a_kind_in_the_singular():
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, x = _chain()
+        middle = [op for op in graph.get_operations() if op.type == "Tanh"][8].outputs[0]
+        memsave.gradients(loss, x, checkpoints=[middle])
+    summary = memsave.last_report().summary()
+    assert "strategy explicit list: 1 checkpoint (" in summary
+    assert "2 segments recompute " in summary
+    for plural_of_one in ("1 checkpoints", "1 segments", "1 ops", "1 loops"):
+        assert plural_of_one not in summary
+
+
 def test_plan_reports_without_touching_the_graph():
     graph = tf.Graph()
     with graph.as_default():

@@ -64,7 +64,7 @@ def keep_if(predicate, reason):
     def strategy(region):
         return [Choice(t, reason.format(op_type=t.op.type))
                 for t in region.tensors() if predicate(t, region)]
-    strategy.__name__ = f"keep_if({reason})"
+    strategy.__name__ = f"keep_if({reason.format(op_type='<op type>')})"
     return strategy
 
 
