@@ -64,14 +64,14 @@ MEMSAVE_STRATEGIES = ("speed", "memory", "collection")
 # Mirrors of models.py, so the parser needs no TensorFlow (a test checks they agree):
 # every model, those whose forward pass marks checkpoints, those built from Keras layers,
 # the mixed-precision policies.
-MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "lstm", "unet")
+MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "gpt2", "lstm", "unet")
 MARKING_MODELS = ("cnn", "mlp", "calls", "transformer")
-KERAS_MODELS = ("keras", "vit", "gpt", "lstm", "unet")
+KERAS_MODELS = ("keras", "vit", "gpt", "gpt2", "lstm", "unet")
 MIXED_PRECISION = ("float16", "bfloat16")
 DEFAULT_SWEEP_DEPTHS = {"cnn": (6, 12, 24, 48, 81), "mlp": (8, 16, 32, 64, 128),
                         "calls": (8, 16, 32, 64),
                         "transformer": (2, 4, 8, 16, 32), "keras": (0,), "vit": (2, 4, 8, 16),
-                        "gpt": (2, 4, 6, 12), "lstm": (1, 2, 4), "unet": (2, 3, 4)}
+                        "gpt": (2, 4, 6, 12), "gpt2": (2, 4, 6, 12), "lstm": (1, 2, 4), "unet": (2, 3, 4)}
 CHILD_TARGET = "benchmarks.compare:measure_config"
 MEMORY_STEPS = 2  # steps over which the peak is taken
 # ... for --predict-table: the peak of the same plan moves from step to step (the

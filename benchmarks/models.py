@@ -38,7 +38,7 @@ import tensorflow as tf
 
 import memsave
 
-MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "lstm", "unet")
+MODELS = ("cnn", "mlp", "calls", "transformer", "keras", "vit", "gpt", "gpt2", "lstm", "unet")
 
 # Per-model defaults, sized so one step takes well under a second on 2 CPU cores.
 DEFAULTS = {
@@ -49,6 +49,7 @@ DEFAULTS = {
     "keras": {"depth": 0, "batch": 16},
     "vit": {"depth": 8, "batch": 32},
     "gpt": {"depth": 6, "batch": 8},
+    "gpt2": {"depth": 6, "batch": 8},
     "lstm": {"depth": 2, "batch": 64},
     "unet": {"depth": 4, "batch": 8},
 }
@@ -482,6 +483,38 @@ def build_gpt(depth=6, batch=8, seed=0, seq_len=256, d_model=256, heads=8, vocab
                               _sparse_cross_entropy)
 
 
+def build_gpt2(depth=6, batch=8, seed=0, seq_len=256, d_model=256, heads=4, vocab=8000,
+               remat=None, mixed_precision=None):
+    """keras-hub's GPT2CausalLM built from arguments (no weights, no download; needs
+    `pip install keras-hub`): `depth` layers, GPT-2's dropout of 0.1 (stateless, seeded:
+    a recomputation gives the same values), the logits from the tied token embedding;
+    next-token loss over every position."""
+    import keras
+    try:
+        import keras_hub
+    except ImportError as missing:
+        raise ImportError("--model gpt2 builds keras-hub's GPT2CausalLM: pip install keras-hub "
+                          f"({missing})") from missing
+
+    keras.utils.set_random_seed(seed)
+    with _keras_scope(remat, mixed_precision):
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocab, num_layers=depth, num_heads=heads, hidden_dim=d_model,
+            intermediate_dim=4 * d_model, max_sequence_length=seq_len)
+        causal_lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+        tokens = keras.Input((seq_len,), dtype="int32")
+        logits = causal_lm({"token_ids": tokens,
+                            "padding_mask": keras.ops.ones_like(tokens, dtype="bool")})
+        net = keras.Model(tokens, logits)
+    rng = np.random.default_rng(seed + 1)
+    words = rng.integers(0, vocab, size=[batch, seq_len]).astype(np.int32)
+    description = (f"keras-hub GPT2CausalLM: {depth} layers, d {d_model}, {heads} heads, "
+                   f"sequence {seq_len}, vocabulary {vocab}, batch {batch}"
+                   + _policy_note(mixed_precision))
+    return _keras_layer_model("gpt2", net, (words, np.roll(words, -1, axis=1)), description,
+                              _sparse_cross_entropy)
+
+
 def build_unet(depth=4, batch=8, seed=0, image_size=128, base=16, classes=4, remat=None,
                mixed_precision=None):
     """A Keras functional U-Net for segmentation: `depth` levels down (conv-BN-ReLU twice,
@@ -540,10 +573,10 @@ def build_lstm(depth=2, batch=64, seed=0, seq_len=100, units=256, features=32, c
 
 BUILDERS = {"cnn": build_cnn, "mlp": build_mlp, "calls": build_calls,
             "transformer": build_transformer,
-            "keras": build_keras, "vit": build_vit, "gpt": build_gpt, "lstm": build_lstm,
-            "unet": build_unet}
+            "keras": build_keras, "vit": build_vit, "gpt": build_gpt, "gpt2": build_gpt2,
+            "lstm": build_lstm, "unet": build_unet}
 # Models built from Keras layers (keras.RematScope applies to them).
-KERAS_MODELS = ("keras", "vit", "gpt", "lstm", "unet")
+KERAS_MODELS = ("keras", "vit", "gpt", "gpt2", "lstm", "unet")
 
 
 def build_model(name, depth=None, batch=None, seed=0, **options):

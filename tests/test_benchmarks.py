@@ -81,6 +81,20 @@ def test_keras_layer_models_step_with_tf_gradients(name):
     assert name in compare.KERAS_MODELS and name not in compare.MARKING_MODELS
 
 
+def test_keras_hub_gpt2_steps_where_keras_hub_is_installed_and_names_it_where_not():
+    try:
+        import keras_hub  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install keras-hub"):
+            models.build_model("gpt2", **KERAS_TINY["gpt"])
+        return
+    model = models.build_model("gpt2", seed=1, **KERAS_TINY["gpt"])
+    step = model.make_step(lambda ys, xs: tf.gradients(ys, xs))
+    loss, grads = step(*model.inputs)
+    assert math.isfinite(float(loss)) and len(grads) == len(model.variables)
+    assert "GPT2CausalLM: 2 layers" in model.description
+
+
 @pytest.mark.parametrize("strategy, words", [("memory+chunk:3", "in chunks of 3"),
                                               ("memory+chunk:2", "in chunks of 2")])
 def test_a_strategy_with_a_loop_chunk_recomputes_the_loops_in_chunks(strategy, words):
