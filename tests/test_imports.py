@@ -34,6 +34,18 @@ FORBIDDEN = {
     "memsave.ordering": ["memsave.planner", "memsave.strategies", "memsave.planning",
                          "memsave.build", "memsave.rewrite"],
     "memsave.tape": ["memsave.integrations", "memsave.calibration"],
+    # The memory model, lowest first: timeline -> forward_pass, schedule -> simulate_plan
+    # -> simulate -> memory (the surface) -> search.
+    "memsave.planner.timeline": ["memsave.planner.forward_pass", "memsave.planner.schedule",
+                                 "memsave.planner.simulate", "memsave.planner.simulate_plan",
+                                 "memsave.planner.memory", "memsave.planner.search"],
+    "memsave.planner.forward_pass": ["memsave.planner.simulate", "memsave.planner.simulate_plan",
+                                     "memsave.planner.memory", "memsave.planner.search"],
+    "memsave.planner.schedule": ["memsave.planner.simulate", "memsave.planner.simulate_plan",
+                                 "memsave.planner.memory", "memsave.planner.search"],
+    "memsave.planner.simulate_plan": ["memsave.planner.simulate", "memsave.planner.memory",
+                                      "memsave.planner.search"],
+    "memsave.planner.simulate": ["memsave.planner.memory", "memsave.planner.search"],
     # What batch fits: traces steps that call memsave; nothing of the integrations.
     "memsave.capacity": ["memsave.integrations", "memsave.calibration", "memsave.planning",
                          "memsave.build"],

@@ -6,7 +6,9 @@ searches that choose checkpoints with them.
 - costs.py:    what running an op again costs (memsave.calibrate() measures it);
 - problem.py:  what one call plans for (Problem: region, environment, memory model);
 - segments.py: which segment recomputes which op (shared by the rewrite);
-- memory.py:   the simulated peak of the plain and the rewritten step;
+- memory.py:   the simulated peak of the plain and the rewritten step (MemoryModel),
+               simulated by timeline.py, forward_pass.py, schedule.py, simulate.py
+               and simulate_plan.py;
 - intervals.py: the most bytes alive at once among buffers over ranges of steps;
 - allocator.py: that step replayed through TensorFlow's BFC allocator (what it holds);
 - search.py:   the plans with the lowest predicted peak, or the least recomputation

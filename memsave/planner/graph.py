@@ -109,7 +109,7 @@ class StepGraph:
       conv_threads: intra-op threads of TensorFlow's own CPU convolution gradients, whose
         im2col buffers count among their temporaries (Environment.conv_threads), or 0.
       inter_op_threads: how many gradient steps run side by side where they do not wait
-        for each other (Environment.inter_op_threads; memsave.planner.memory).
+        for each other (Environment.inter_op_threads; memsave.planner.schedule).
       forwarded: ids of the tensors whose alias_of is an input whose buffer the kernel
         writes into (opinfo.FORWARDED_OUTPUTS): shared only where that input is made in
         the same pass, not a checkpoint read from the forward pass.

@@ -113,7 +113,7 @@ CONSTANT_SCALINGS = {"Mul": (0, 1), "RealDiv": (1,)}
 # sparse cross-entropy's backprop takes the logits' buffer (a language model's largest),
 # a BiasAdd its input's (a Dense head's matmul output): the GPT benchmark's tf.gradients
 # prediction went from +17% to +8% with it (AMD EPYC). No kernel does so where the plan
-# keeps that input for a later segment (MemoryModel._unforwardable): counted anyway, the
+# keeps that input for a later segment (forward_pass.unforwardable_outputs): counted anyway, the
 # 'memory' plan chosen kept the head's matmul output, predicted -19%.
 FORWARDED_OUTPUTS = {"SparseSoftmaxCrossEntropyWithLogits": (0, 1), "BiasAdd": (0, 0)}
 
