@@ -133,11 +133,32 @@ ELEMENTWISE_GRADIENTS = frozenset([
 # the loss's gradient, made in place (a binary op forwards its input's buffer).
 GRADIENT_INTO_OUTPUT = {"SparseSoftmaxCrossEntropyWithLogits": (0, 1)}
 
-# Ops whose cost is dominated by multiply-adds (FLOPs); everything else is priced
-# per output element (memsave.planner.costs).
+# What an op type costs to run again, in one table: the cost model
+# (memsave.planner.costs) and the strategies (memsave.strategies) read it here.
+#
+# Ops whose cost is dominated by multiply-adds, priced by their FLOPs (flops() counts
+# these); everything else is priced per output element.
 MATMUL_LIKE = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
 CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"])
-HEAVY_OP_TYPES = MATMUL_LIKE | CONV_LIKE | frozenset(["Einsum"])  # (flops() counts these)
+HEAVY_OP_TYPES = MATMUL_LIKE | CONV_LIKE | frozenset(["Einsum"])
+# Batch/layer normalisations: computing the statistics and applying them takes
+# several passes over the data (priced per normalised element).
+NORMALISATION_OP_TYPES = frozenset([
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3",
+    "_FusedBatchNormEx", "LayerNorm",
+])
+# Ops whose outputs are worth keeping rather than recomputing: 'speed' keeps them, and
+# 'memory' (with a tolerance) and budgets add them to a plan while they fit. The heavy
+# ops, and kernels flops() does not count (fused and oneDNN kernels, cuDNN's RNNs, a
+# sparse matmul, a 3-D convolution's input gradient; Conv1D is no TensorFlow op type, a
+# 1-D convolution runs as a Conv2D). The cost model prices those extra types per output
+# element; moving them into HEAVY_OP_TYPES would change their price (and with it,
+# possibly, plans), so the two sets stay apart.
+EXPENSIVE_OP_TYPES = HEAVY_OP_TYPES | frozenset([
+    "SparseMatMul", "Conv1D", "Conv3DBackpropInputV2", "FusedConv2DBiasActivation",
+    "_FusedConv2D", "_FusedMatMul", "_MklMatMul", "_MklConv2D",
+    "CudnnRNN", "CudnnRNNV2", "CudnnRNNV3",
+])
 
 
 # Ops registered without a gradient (ops.NotDifferentiable) although an output may be
