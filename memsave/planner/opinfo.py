@@ -97,7 +97,7 @@ ALIAS_OP_TYPES = frozenset([
 # by the constant, and Grappler's constant folding pushes the constant down onto the
 # forward tensor: `g * (softmax * c)`, whose `softmax * c` the executor makes as soon
 # as the softmax is made, in the forward pass, and holds until the gradient beside the
-# softmax (its gradient's sum reads it too). StepGraph._link_folded_products. The
+# softmax (its gradient's sum reads it too). buffer_links.link_folded_products. The
 # project's own transformer (8 layers, a [16, 4, 128, 128] softmax each): 8 x 4 MiB
 # alive at tf.gradients' peak that no op of the graph shows (measured 213-223 MiB,
 # predicted 188 without them; AMD EPYC). Where the gradient reads the tensor in the
