@@ -34,6 +34,26 @@ FORBIDDEN = {
     "memsave.ordering": ["memsave.planner", "memsave.strategies", "memsave.planning",
                          "memsave.build", "memsave.rewrite"],
     "memsave.tape": ["memsave.integrations", "memsave.calibration"],
+    # The memory model, lowest first: timeline -> forward_pass, schedule -> simulate_plan
+    # -> simulate -> memory (the surface) -> search.
+    "memsave.planner.timeline": ["memsave.planner.forward_pass", "memsave.planner.schedule",
+                                 "memsave.planner.simulate", "memsave.planner.simulate_plan",
+                                 "memsave.planner.memory", "memsave.planner.search"],
+    "memsave.planner.forward_pass": ["memsave.planner.simulate", "memsave.planner.simulate_plan",
+                                     "memsave.planner.memory", "memsave.planner.search"],
+    "memsave.planner.schedule": ["memsave.planner.simulate", "memsave.planner.simulate_plan",
+                                 "memsave.planner.memory", "memsave.planner.search"],
+    "memsave.planner.simulate_plan": ["memsave.planner.simulate", "memsave.planner.memory",
+                                      "memsave.planner.search"],
+    "memsave.planner.simulate": ["memsave.planner.memory", "memsave.planner.search"],
+    # What StepGraph.build calls, and the kinds of ops they read: below the StepGraph.
+    "memsave.planner.op_kinds": ["memsave.planner.graph", "memsave.planner.memory",
+                                 "memsave.planner.search"],
+    "memsave.planner.deferral": ["memsave.planner.graph", "memsave.planner.memory",
+                                 "memsave.planner.search"],
+    "memsave.planner.buffer_links": ["memsave.planner.graph", "memsave.planner.memory",
+                                     "memsave.planner.search"],
+    "memsave.planner.candidates": ["memsave.planner.search", "memsave.planner.memory"],
     # What batch fits: traces steps that call memsave; nothing of the integrations.
     "memsave.capacity": ["memsave.integrations", "memsave.calibration", "memsave.planning",
                          "memsave.build"],

@@ -14,7 +14,7 @@ import memsave
 from memsave import environment as environment_lib
 from memsave import planner
 from memsave.graph import _tf_private
-from memsave.planner import costs, opinfo, search
+from memsave.planner import costs, opinfo, schedule, search
 from memsave.region import ForwardRegion
 
 S = 256 * 256 * 4  # bytes of one [256, 256] float32 activation
@@ -201,8 +201,8 @@ def test_no_gradient_goes_through_stop_gradient_shape_or_comparisons():
         positive = tf.cast(tf.greater(h, 0.0), tf.float32)
         loss = tf.reduce_sum(tf.tanh(centred) * positive)
         step = planner.StepGraph.build(ForwardRegion.build([loss], [x]))
-        from memsave.planner import memory
-        counts = memory._contribution_counts(step)
+        from memsave.planner import timeline
+        counts = timeline.contribution_counts(step)
         by_type = {step.ops[op].type: op for op in step.region_op_ids()}
         for op_type in ("StopGradient", "Shape", "Greater"):
             assert not opinfo.passes_gradient(step.ops[by_type[op_type]])
@@ -1463,11 +1463,14 @@ def test_a_filter_gradient_is_made_last_only_in_the_segment_of_the_cast_it_goes_
         graph = model.graph
         first, second = (graph.op_id[conv] for conv in convs[:2])
         checkpoints = [graph.id_of(conv.outputs[0]) for conv in convs[:-1]]
-        model.predict(checkpoints)
-        assert model._made_last_through(first) == tuple(graph.deferred_through[first])
-        model.predict(checkpoints + [graph.id_of(reads[0])])
-        assert model._made_last_through(first) == ()
-        assert model._made_last_through(second) == tuple(graph.deferred_through[second])
+
+        def made_last(op, plan):
+            segment_of = planner.Segmentation(graph, tuple(sorted(plan))).segment_of
+            return schedule.made_last_through(graph, segment_of, op)
+        assert made_last(first, checkpoints) == tuple(graph.deferred_through[first])
+        plan = checkpoints + [graph.id_of(reads[0])]
+        assert made_last(first, plan) == ()
+        assert made_last(second, plan) == tuple(graph.deferred_through[second])
 
 
 def test_deferred_filter_gradients_run_side_by_side_as_the_executor_runs_them(monkeypatch):
@@ -1538,7 +1541,8 @@ def test_independent_branches_gradients_run_side_by_side_as_the_executor_runs_th
             model = planner.model_of(ForwardRegion.build([loss], [x]),
                                      dataclasses.replace(environment, inter_op_threads=threads))
             orders[threads] = [(model.graph.ops[op].name, beside)
-                               for op, beside in model._backward_order(model.path_ops)]
+                               for op, beside in schedule.backward_order(model.graph,
+                                                                          model.path_ops)]
             peaks[threads] = model.baseline().peak_bytes
     # The branches interleave; each step but the last of a pair starts beside the next.
     assert orders[1] == [(name, 0) for name, _ in orders[2]]

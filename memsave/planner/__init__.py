@@ -1,14 +1,19 @@
 """The planner: a memory model and a cost model of the training step, and the
 searches that choose checkpoints with them.
 
-- graph.py:    the step compiled to integer lists (StepGraph);
+- graph.py:    the step compiled to integer lists (StepGraph; op_kinds.py, buffer_links.py
+               and deferral.py record how ops take part, shared buffers, gradients
+               made last);
 - opinfo.py:   per op type, what its gradient reads, and its FLOPs;
 - costs.py:    what running an op again costs (memsave.calibrate() measures it);
 - problem.py:  what one call plans for (Problem: region, environment, memory model);
 - segments.py: which segment recomputes which op (shared by the rewrite);
-- memory.py:   the simulated peak of the plain and the rewritten step;
+- memory.py:   the simulated peak of the plain and the rewritten step (MemoryModel),
+               simulated by timeline.py, forward_pass.py, schedule.py, simulate.py
+               and simulate_plan.py;
 - intervals.py: the most bytes alive at once among buffers over ranges of steps;
 - allocator.py: that step replayed through TensorFlow's BFC allocator (what it holds);
+- candidates.py: the cuts of the topological order plans are made of;
 - search.py:   the plans with the lowest predicted peak, or the least recomputation
                under a budget;
 - calibrated.py: a step's measured peak (memsave.calibrate_memory) and the scale

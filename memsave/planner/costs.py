@@ -23,13 +23,6 @@ import threading
 from memsave.errors import MemsaveError, MemsaveTypeError
 from memsave.planner import opinfo
 
-# Batch/layer normalisations: computing the statistics and applying them takes
-# several passes over the data.
-NORMALISATION_OP_TYPES = frozenset([
-    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3",
-    "_FusedBatchNormEx", "LayerNorm",
-])
-
 
 # A backward pass runs about twice the FLOPs of its forward pass (the gradients
 # with respect to an op's inputs and to its weights).
@@ -56,7 +49,7 @@ class Costs:
       per_element: per output element of an op that is neither a matmul, a
         convolution nor a normalisation (elementwise ops, reductions, casts, ...).
       per_normalised_element: per output element of a normalisation
-        (NORMALISATION_OP_TYPES).
+        (opinfo.NORMALISATION_OP_TYPES).
       op_overhead: per op run (the executor's dispatch, an allocation, a launch).
       segment_overhead: per recomputed segment (its boundaries, ordering, and the
         gradient bookkeeping of one more backward call).
@@ -84,7 +77,7 @@ class Costs:
         if op.type in opinfo.HEAVY_OP_TYPES:
             return opinfo.flops(op, unknown_dim_size)
         elements = opinfo.output_elements(op, unknown_dim_size)
-        if op.type in NORMALISATION_OP_TYPES:
+        if op.type in opinfo.NORMALISATION_OP_TYPES:
             return int(elements * self.per_normalised_element)
         return int(elements * self.per_element)
 

@@ -16,26 +16,19 @@ from memsave.environment import Environment
 from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
-from memsave.planner import call_gradients, costs, custom_gradients, opinfo, shapes, xla_buffers
+from memsave.planner import (buffer_links, call_gradients, costs, custom_gradients, deferral,
+                             opinfo, shapes, xla_buffers)
 from memsave.planner.loops import list_length, loop_memory, recomputed, tensor_bytes
+from memsave.planner.op_kinds import FORWARD, KEPT, REGION, RESIDENT
 
 logger = logging.getLogger(__name__)
 
-# How an op takes part in the step.
-RESIDENT = 0    # no inputs: constants, placeholders, captured inputs, variable handles
-REGION = 1      # on the path from xs to ys and recomputable
-KEPT = 2        # on the path but never recomputed (stateful, control flow, an x's own op)
-FORWARD = 3     # forward only: does not depend on the xs
+# How an op takes part in the step (StepGraph.kind): RESIDENT, REGION, KEPT, FORWARD,
+# defined in memsave.planner.op_kinds; the planner's modules import them from here.
 
 # A region tensor of at most 1/SMALL_FRACTION of the largest is read from the forward
 # pass rather than recomputed (StepGraph.small).
 SMALL_FRACTION = 1024
-
-
-
-# Ops whose gradient is their output's gradient, converted (memsave's deferral follows a
-# weight's gradient through them to the op that makes it: StepGraph._held_if_deferred).
-_CONVERTING_TYPES = frozenset(["Cast"]) | opinfo.ALIAS_OP_TYPES
 
 
 class StepGraph:
@@ -68,7 +61,7 @@ class StepGraph:
         one, that gives it a gradient, is in `deferred` for it).
       deferred_through: op id -> the (tensor id, gradient bytes) of its gradient the
         rewrite makes last because they make a deferred gradient: a convolution's
-        filter gradient of a weight read through a Cast (`_defer_through`).
+        filter gradient of a weight read through a Cast (deferral._defer_through).
       conv_workspaces: op id -> (filter gradient's, input gradient's) im2col bytes
         of a convolution's gradient (opinfo.conv_gradient_workspace), where any.
       unknown_dims: names of floating tensors with unknown dimensions, whose size
@@ -91,7 +84,7 @@ class StepGraph:
         call's backward function: what of what it reads it has freed by its peak, and
         its temporaries then (in grad_temporaries).
       folded: op id -> bytes of the product Grappler's constant folding makes of its
-        output in the forward pass, held to its gradient (`_link_folded_products`).
+        output in the forward pass, held to its gradient (buffer_links.link_folded_products).
       pieces: tensor id -> how many allocations of equal size its bytes are, where more
         than one: a TensorList's elements (memsave.planner.loops.list_length).
       boundaries: ids of the region tensors every plan keeps (segments end there), so
@@ -109,7 +102,7 @@ class StepGraph:
       conv_threads: intra-op threads of TensorFlow's own CPU convolution gradients, whose
         im2col buffers count among their temporaries (Environment.conv_threads), or 0.
       inter_op_threads: how many gradient steps run side by side where they do not wait
-        for each other (Environment.inter_op_threads; memsave.planner.memory).
+        for each other (Environment.inter_op_threads; memsave.planner.schedule).
       forwarded: ids of the tensors whose alias_of is an input whose buffer the kernel
         writes into (opinfo.FORWARDED_OUTPUTS): shared only where that input is made in
         the same pass, not a checkpoint read from the forward pass.
@@ -262,75 +255,15 @@ class StepGraph:
             elif op.type == "IdentityN" and len(self.inputs[index]) == len(op.inputs):
                 for source, tid in zip(self.inputs[index], self.outputs[index]):
                     self.alias_of[tid] = source
-        self._link_gradients_into_outputs()
+        buffer_links.link_gradients_into_outputs(self)
         stops = set()
         for index, op in enumerate(self.ops):
             if self.kind[index] in (REGION, KEPT):
                 self._link_gradient(index, op, region, stops)
         self._drop_gradients_nothing_reaches()
-        self._link_forwarded_outputs()  # (after the gradients: what they read is kept)
+        buffer_links.link_forwarded_outputs(self)  # (after the gradients: what they read is kept)
         if folds_constants:
-            self._link_folded_products()
-
-    def _link_folded_products(self):
-        """Where an op's gradient ends in a product with a forward tensor it also reads
-        elsewhere, and its input is a constant scaling read by it alone
-        (opinfo.PRODUCT_GRADIENTS), Grappler folds the constant onto that tensor: a
-        product of the forward pass (or of the recomputed copy) held to the gradient
-        (`folded`). Which operand of the product takes the constant follows the ops'
-        names (Grappler orders the inputs of a commutative op by name): in a
-        tf.function, measured, the step's own softmaxes and memsave's recomputed copies
-        take it (the benchmarks' attention, Keras' included); a tf.compat.v1 Session
-        orders them the other way for some names (not modelled)."""
-        for index, op in enumerate(self.ops):
-            output = opinfo.PRODUCT_GRADIENTS.get(op.type)
-            if output is None or len(self.inputs[index]) != len(op.inputs):
-                continue
-            if any(self._scaled_by_a_constant(tid, index) for tid, _ in self.grad_inputs[index]):
-                self.folded[index] = self.size[self.outputs[index][output]]
-
-    def _scaled_by_a_constant(self, tid, reader):
-        """Whether tensor `tid`, read by op `reader` alone, is made by a Mul or RealDiv by
-        a constant (opinfo.CONSTANT_SCALINGS) of a tensor whose gradient is taken."""
-        op = self.producer[tid]
-        positions = opinfo.CONSTANT_SCALINGS.get(self.ops[op].type)
-        if (positions is None or self.consumers[tid] != [reader] or self.is_y[tid]
-                or len(self.inputs[op]) != 2 or not self.grad_inputs[op]):
-            return False
-        return any(self.ops[self.producer[self.inputs[op][i]]].type == "Const"
-                   for i in positions)
-
-    def _link_forwarded_outputs(self):
-        """An output the kernel writes into an input's buffer (opinfo.FORWARDED_OUTPUTS)
-        shares it, where that input, and every tensor sharing its buffer (a reshape of
-        the logits), is read by the next alone, by no gradient, and it is made in the
-        step. (Whether a plan keeps that buffer for a later segment is the memory
-        model's to check: MemoryModel's unforwardable outputs.)"""
-        read_by_gradients = {t for reads in self.grad_reads for t in reads}
-        for index, op in enumerate(self.ops):
-            forwarded = opinfo.FORWARDED_OUTPUTS.get(op.type)
-            if forwarded is None or len(self.inputs[index]) != len(op.inputs):
-                continue
-            read, out = self.inputs[index][forwarded[0]], self.outputs[index][forwarded[1]]
-            reader, source = index, read
-            while (self.consumers[source] == [reader] and not self.is_y[source]
-                   and source not in read_by_gradients):
-                if self.alias_of[source] < 0:  # (the buffer's owner: a reshape of it may be read)
-                    if self.kind[self.producer[source]] != RESIDENT:
-                        self.alias_of[out] = read
-                        self.forwarded.add(out)
-                    break
-                reader, source = self.producer[source], self.alias_of[source]
-
-    def _link_gradients_into_outputs(self):
-        """`gradient_into`: gradients written into an output nothing else reads
-        (opinfo.GRADIENT_INTO_OUTPUT), found once rather than at every simulated step."""
-        for index, op in enumerate(self.ops):
-            into = opinfo.GRADIENT_INTO_OUTPUT.get(op.type)
-            if into is not None and len(self.inputs[index]) == len(op.inputs):
-                out = self.outputs[index][into[1]]
-                if not self.consumers[out]:
-                    self.gradient_into[index] = (self.inputs[index][into[0]], out)
+            buffer_links.link_folded_products(self)
 
     def _drop_gradients_nothing_reaches(self):
         """tf.gradients makes no gradient for an op none of whose outputs gets one (its
@@ -453,88 +386,8 @@ class StepGraph:
                                                     - min(for_filter, for_input))
 
     def _find_deferred(self):
-        """Gradients worth computing last: a weight's gradient that is larger than what
-        computing it reads.
-
-        A gradient that leaves the graph where it is made (a variable's, or an x's) is
-        only read at the end of the step, so once made it is held through the rest of
-        the backward pass. If it is larger than the tensors its op reads to make it
-        (the op's forward inputs and outputs' gradients, apart from weights, which
-        are held anyway), the step holds less by keeping those and making it after the
-        last segment: e.g. a 3x3 convolution of 512 channels at 3x3 pixels, whose
-        filter gradient is 9.4 MB and whose input and output gradient are 0.3 MB each.
-        Only where every op reading the tensor qualifies, and never for a sparse
-        gradient (a gather's), which is as small as the rows it reads.
-        """
-        worth = {}  # tensor id -> ops whose gradient of it is worth deferring
-        for op, pairs in enumerate(self.grad_inputs):
-            if self.kind[op] != REGION:
-                continue
-            held = self._held_if_deferred(op)
-            sparse = opinfo.SPARSE_GRADIENT_INPUTS.get(self.ops[op].type, ())
-            for tid, nbytes in pairs:
-                dense = all(self.inputs[op][i] != tid for i in sparse
-                            if i < len(self.inputs[op]))
-                if dense and nbytes > held and self._leaves_graph(tid):
-                    worth.setdefault(tid, []).append((op, nbytes))
-        # The rewrite defers a tensor's gradient as a whole (one sum per segment), so
-        # only where every op reading it would.
-        for tid, found in worth.items():
-            readers = {op for op in self.consumers[tid] if self.kind[op] == REGION
-                       and any(t == tid for t, _ in self.grad_inputs[op])}
-            if readers == {op for op, _ in found}:
-                self.deferred_tensors.add(tid)
-                for op, nbytes in found:
-                    self.deferred.setdefault(op, []).append((tid, nbytes))
-        for op in sorted(self.deferred):
-            self._defer_through(op)
-
-    def _defer_through(self, op):
-        """Where deferred op `op` converts what it reads (a Cast of a float32 weight to
-        bfloat16), the rewrite makes last what makes its outputs' gradients too (the
-        convolutions' filter gradients: `_held_if_deferred`): their contributions to
-        those outputs are recorded in `deferred_through`."""
-        outputs = self.outputs[op]
-        readers = sorted({c for t in outputs for c in self.consumers[t]})
-        if not (self.ops[op].type in _CONVERTING_TYPES and readers
-                and all(self.kind[c] == REGION for c in readers)):
-            return
-        for reader in readers:
-            pairs = [(t, nbytes) for t, nbytes in self.grad_inputs[reader] if t in outputs]
-            if pairs:
-                self.deferred_through.setdefault(reader, []).extend(pairs)
-                self._defer_through(reader)
-
-    def _held_if_deferred(self, op, made_from=()):
-        """Bytes held to the end of the backward pass where op `op`'s gradient of a weight
-        is made after the last segment: the non-resident tensors that gradient reads, and
-        its outputs' gradients (one per output, of its size). Where `op` converts what it
-        reads (a Cast, an identity: mixed precision reads a float32 weight through a Cast
-        to bfloat16), its gradient is made from its readers' gradients, and the rewrite
-        defers what makes those too (a convolution's filter gradient, reading the
-        convolution's input and output gradient): what they hold counts instead, but for
-        the converted weight itself (`made_from`), which no filter gradient reads."""
-        outputs = self.outputs[op]
-        readers = sorted({c for t in outputs for c in self.consumers[t]})
-        if (self.ops[op].type in _CONVERTING_TYPES and readers
-                and all(self.kind[c] == REGION for c in readers)):
-            return sum(self._held_if_deferred(c, outputs) for c in readers)
-        held = sum(self.size[self.buffer_of(t)] for t in self.grad_reads[op]
-                   if t not in made_from
-                   and self.kind[self.producer[self.buffer_of(t)]] != RESIDENT)
-        return held + sum(self.size[t] for t in outputs)
-
-    def _leaves_graph(self, tid):
-        """Whether the gradient of `tid` is read by nothing but the step's result: `tid`
-        is an x (but one computed from other xs, whose op the rewrite differentiates
-        further with that gradient, memsave.backward), or a variable's value read by an
-        op that is not recomputed."""
-        producer = self.producer[tid]
-        if self.is_x[tid]:
-            return self.kind[producer] != KEPT
-        return (self.kind[producer] == KEPT and bool(self.inputs[producer])
-                and all(self.kind[self.producer[t]] == RESIDENT
-                        for t in self.inputs[producer]))
+        """The weight gradients worth making last (memsave.planner.deferral)."""
+        deferral.find_deferred(self)
 
     def _boundaries(self):
         found = set()

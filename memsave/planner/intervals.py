@@ -1,6 +1,6 @@
 """The most bytes alive at once among buffers that each live over a range of steps.
 
-Shared by the memory model's timeline (memsave.planner.memory) and the probe of a
+Shared by the memory model's timeline (memsave.planner.timeline) and the probe of a
 custom gradient's temporaries (memsave.planner.custom_gradients).
 """
 

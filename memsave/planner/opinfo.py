@@ -97,7 +97,7 @@ ALIAS_OP_TYPES = frozenset([
 # by the constant, and Grappler's constant folding pushes the constant down onto the
 # forward tensor: `g * (softmax * c)`, whose `softmax * c` the executor makes as soon
 # as the softmax is made, in the forward pass, and holds until the gradient beside the
-# softmax (its gradient's sum reads it too). StepGraph._link_folded_products. The
+# softmax (its gradient's sum reads it too). buffer_links.link_folded_products. The
 # project's own transformer (8 layers, a [16, 4, 128, 128] softmax each): 8 x 4 MiB
 # alive at tf.gradients' peak that no op of the graph shows (measured 213-223 MiB,
 # predicted 188 without them; AMD EPYC). Where the gradient reads the tensor in the
@@ -113,7 +113,7 @@ CONSTANT_SCALINGS = {"Mul": (0, 1), "RealDiv": (1,)}
 # sparse cross-entropy's backprop takes the logits' buffer (a language model's largest),
 # a BiasAdd its input's (a Dense head's matmul output): the GPT benchmark's tf.gradients
 # prediction went from +17% to +8% with it (AMD EPYC). No kernel does so where the plan
-# keeps that input for a later segment (MemoryModel._unforwardable): counted anyway, the
+# keeps that input for a later segment (forward_pass.unforwardable_outputs): counted anyway, the
 # 'memory' plan chosen kept the head's matmul output, predicted -19%.
 FORWARDED_OUTPUTS = {"SparseSoftmaxCrossEntropyWithLogits": (0, 1), "BiasAdd": (0, 0)}
 
@@ -133,11 +133,32 @@ ELEMENTWISE_GRADIENTS = frozenset([
 # the loss's gradient, made in place (a binary op forwards its input's buffer).
 GRADIENT_INTO_OUTPUT = {"SparseSoftmaxCrossEntropyWithLogits": (0, 1)}
 
-# Ops whose cost is dominated by multiply-adds (FLOPs); everything else is priced
-# per output element (memsave.planner.costs).
+# What an op type costs to run again, in one table: the cost model
+# (memsave.planner.costs) and the strategies (memsave.strategies) read it here.
+#
+# Ops whose cost is dominated by multiply-adds, priced by their FLOPs (flops() counts
+# these); everything else is priced per output element.
 MATMUL_LIKE = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
 CONV_LIKE = frozenset(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"])
-HEAVY_OP_TYPES = MATMUL_LIKE | CONV_LIKE | frozenset(["Einsum"])  # (flops() counts these)
+HEAVY_OP_TYPES = MATMUL_LIKE | CONV_LIKE | frozenset(["Einsum"])
+# Batch/layer normalisations: computing the statistics and applying them takes
+# several passes over the data (priced per normalised element).
+NORMALISATION_OP_TYPES = frozenset([
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3",
+    "_FusedBatchNormEx", "LayerNorm",
+])
+# Ops whose outputs are worth keeping rather than recomputing: 'speed' keeps them, and
+# 'memory' (with a tolerance) and budgets add them to a plan while they fit. The heavy
+# ops, and kernels flops() does not count (fused and oneDNN kernels, cuDNN's RNNs, a
+# sparse matmul, a 3-D convolution's input gradient; Conv1D is no TensorFlow op type, a
+# 1-D convolution runs as a Conv2D). The cost model prices those extra types per output
+# element; moving them into HEAVY_OP_TYPES would change their price (and with it,
+# possibly, plans), so the two sets stay apart.
+EXPENSIVE_OP_TYPES = HEAVY_OP_TYPES | frozenset([
+    "SparseMatMul", "Conv1D", "Conv3DBackpropInputV2", "FusedConv2DBiasActivation",
+    "_FusedConv2D", "_FusedMatMul", "_MklMatMul", "_MklConv2D",
+    "CudnnRNN", "CudnnRNNV2", "CudnnRNNV3",
+])
 
 
 # Ops registered without a gradient (ops.NotDifferentiable) although an output may be

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from memsave.planner.search import Candidates
+from memsave.planner.candidates import Candidates
 from memsave.strategies.base import Choice
 
 

@@ -17,9 +17,9 @@ from memsave import offload as offload_lib
 from memsave import planner
 from memsave.errors import MemsaveError
 from memsave.planner import costs, search
+from memsave.planner.opinfo import EXPENSIVE_OP_TYPES
 from memsave.planner.calibrated import MemoryCalibration
 from memsave.strategies.base import Choice, Selection
-from memsave.strategies.speed import EXPENSIVE_OP_TYPES
 
 
 def _mb(n):
@@ -37,7 +37,8 @@ def _choices(model, plan, reason, offloaded=None):
 
 
 def _expensive_outputs(graph):
-    """Tensor ids of matmul/convolution outputs in the region: worth keeping to recompute less."""
+    """Tensor ids of the outputs of expensive ops (opinfo.EXPENSIVE_OP_TYPES) in the
+    region: worth keeping to recompute less."""
     return [t for op in graph.region_op_ids() if graph.ops[op].type in EXPENSIVE_OP_TYPES
             for t in graph.outputs[op] if graph.tensors[t].dtype.is_floating and not graph.is_y[t]]
 

@@ -1,17 +1,11 @@
 """'speed': keep the outputs of the expensive ops, recompute only cheap ones.
 
-Ops are chosen by op type, never by name.
+Ops are chosen by op type, never by name: memsave.planner.opinfo.EXPENSIVE_OP_TYPES
+(re-exported here and as memsave.strategies.EXPENSIVE_OP_TYPES).
 """
 
+from memsave.planner.opinfo import EXPENSIVE_OP_TYPES
 from memsave.strategies.base import keep_if
-
-EXPENSIVE_OP_TYPES = frozenset([
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "SparseMatMul",
-    "Einsum", "Conv2D", "Conv3D", "Conv1D", "DepthwiseConv2dNative",
-    "Conv2DBackpropInput", "Conv3DBackpropInputV2", "FusedConv2DBiasActivation",
-    "_FusedConv2D", "_FusedMatMul", "_MklMatMul", "_MklConv2D", "CudnnRNN", "CudnnRNNV2",
-    "CudnnRNNV3",
-])
 
 
 def expensive_op_outputs(op_types=EXPENSIVE_OP_TYPES):

@@ -1,0 +1,68 @@
+"""The order in which a simulated backward pass runs its steps.
+
+Pure functions of the StepGraph (and a plan's Segmentation): the order an executor
+runs gradient steps in, which of them run side by side, what a segment's recomputation
+waits for, and which contributions are made after every segment. They decide no
+buffer: memsave.planner.simulate runs the steps in this order.
+"""
+
+import collections
+
+from memsave.planner.segments import LAST
+
+
+def backward_order(graph, ops):
+    """The gradient steps of `ops` (producers first) in the order an executor
+    runs them: each as soon as the gradients of all its outputs are complete,
+    first come first served, so parallel branches interleave.
+
+    Returns:
+      [(op, beside)]: `beside` is how many of the steps after it start while it runs:
+      those already waiting when it starts (independent of it: another branch's), as
+      many as the executor has further threads (StepGraph.inter_op_threads), 0 in a
+      chain.
+    """
+    members = set(ops)
+    waiting = {}
+    for op in ops:
+        for tid, _ in graph.grad_inputs[op]:
+            producer = graph.producer[tid]
+            if producer in members:
+                waiting[producer] = waiting.get(producer, 0) + 1
+    ready = collections.deque(op for op in reversed(ops) if op not in waiting)
+    further_threads = max(graph.inter_op_threads, 1) - 1
+    order = []
+    while ready:
+        op = ready.popleft()
+        order.append((op, min(len(ready), further_threads)))
+        for tid, _ in graph.grad_inputs[op]:
+            producer = graph.producer[tid]
+            if producer in members:
+                waiting[producer] -= 1
+                if waiting[producer] == 0:
+                    ready.append(producer)
+    if len(order) < len(ops):  # a cycle: keep what was ordered, then the rest
+        done = {op for op, _ in order}
+        order += [(op, 0) for op in reversed(ops) if op not in done]
+    return order
+
+
+def segment_trigger(graph, expected, segmentation, head):
+    """The tensor ids whose gradients segment `head`'s copies wait for (the rewrite's
+    trigger: the gradients of the checkpoints its head op makes); empty where none
+    gets a gradient (`expected`: memsave.planner.timeline.contribution_counts), or
+    for the last segment (it waits for the forward pass)."""
+    if head == LAST:
+        return []
+    return [t for t in graph.outputs[head]
+            if t in segmentation.checkpoints and expected.get(t, 0) > 0]
+
+
+def made_last_through(graph, segment_of, op):
+    """The contributions of op `op`'s gradient made last with a converted weight's
+    (StepGraph.deferred_through): only where the op converting it (the Cast) is in
+    the same segment (`segment_of`: Segmentation.segment_of), whose tf.gradients call
+    makes them both; a Cast that heads a segment of its own (its output a checkpoint)
+    gets its gradient from `op`'s."""
+    return tuple((tid, nbytes) for tid, nbytes in graph.deferred_through.get(op, ())
+                 if segment_of.get(graph.producer[tid]) == segment_of.get(op))

@@ -1,0 +1,181 @@
+"""What a plan's simulated backward pass adds to tf.gradients': segments.
+
+Each segment (last first) runs its recomputation, then its gradient steps over its
+recomputed buffers (an `Overlay` of them over the forward pass's); where the plan
+recomputes ahead, a segment's recomputation runs as soon as the gradient it waits for
+is complete, which may be within an earlier segment's backward pass; offloaded
+checkpoints come back before the segments that read them; the weight gradients the
+rewrite makes last run after every segment. The gradient steps themselves are
+memsave.planner.simulate's (`run.gradient_step`); this module decides when they run
+and which buffers they read.
+"""
+
+import dataclasses
+
+from memsave.planner import schedule
+from memsave.planner.timeline import op_owner
+
+
+@dataclasses.dataclass
+class Recomputed:
+    """A segment's recomputed buffers: per tensor id, and per op what its gradient
+    keeps of the copy's run (StepGraph.held) and the copy's folded product
+    (StepGraph.folded)."""
+    tensors: dict = dataclasses.field(default_factory=dict)
+    held: dict = dataclasses.field(default_factory=dict)
+    folded: dict = dataclasses.field(default_factory=dict)
+
+
+class Overlay:
+    """Recomputed buffers of a segment over the forward ones; tensors that
+    `reads_forward(tid)` says the gradients read from the forward pass come from there."""
+
+    def __init__(self, recomputed, forward, reads_forward):
+        self.recomputed = recomputed
+        self.forward = forward
+        self.reads_forward = reads_forward
+
+    def __getitem__(self, tid):
+        if self.reads_forward(tid):
+            return self.forward[tid]
+        buffer = self.recomputed.tensors.get(tid)
+        return self.forward[tid] if buffer is None else buffer
+
+
+def run_segments(run, offloaded=frozenset(), prefetch=1, ahead=False):
+    """Each segment of `run` (memsave.planner.simulate's run of a plan): its
+    recomputation, then its backward; then the deferred weight gradients, then the
+    gradients of the ops no segment recomputes.
+
+    Args:
+      run: the simulation in progress (its graph, timeline, gradients, forward buffers
+        and gradient_step).
+      offloaded: checkpoints in host memory: one a segment reads comes back into a
+        buffer of its own from the start of the segment `prefetch` segments earlier
+        (memsave.offload).
+      ahead: each segment's recomputation runs as soon as the gradient it waits for
+        (the one the segment after it in the forward pass waits for) is complete, which
+        may be in the middle of an earlier segment's backward pass: an executor may
+        start it there, beside the rest of that backward pass and the next one.
+    Returns:
+      (the recompute FLOPs, the offloaded checkpoints copied back (once per segment
+      reading one), the number of weight gradients made after the last segment).
+    """
+    graph, timeline, gradients = run.graph, run.timeline, run.gradients
+    segmentation, forward = run.segmentation, run.forward
+    order = segmentation.order
+    starts, back, deferred, recomputed = [], [], [], []
+    recompute = 0
+
+    def recompute_through(last):
+        nonlocal recompute
+        while len(recomputed) <= min(last, len(order) - 1):
+            local, cost = _recompute(run, len(recomputed), offloaded, starts, prefetch, back)
+            recomputed.append(local)
+            recompute += cost
+
+    waits_for = ([schedule.segment_trigger(graph, run.setup.expected, segmentation, head)
+                  for head in order] if ahead else None)
+    for index in range(len(order)):
+        if offloaded:  # (a step of its own only then: plain predictions stay as they were)
+            starts.append(timeline.step(("segment", None, index)))
+        for op, beside in schedule.backward_order(graph, segmentation.kept_before.get(index, [])):
+            run.gradient_step(op, forward, ("kept", op, index), beside=beside)
+        recompute_through(index + 1 if ahead else index)
+        view = Overlay(recomputed[index], forward, segmentation.reads_forward)
+        recomputed[index] = None
+        for op, beside in schedule.backward_order(graph, segmentation.ops[order[index]]):
+            run.gradient_step(op, view, ("backward", op, index), deferred, beside)
+            while ahead and len(recomputed) < len(order) and gradients.complete(
+                    waits_for[len(recomputed) - 1]):
+                recompute_through(len(recomputed))
+    _deferred_steps(run, deferred)
+    for op in reversed(segmentation.final_ops):
+        run.gradient_step(op, forward, ("final", op, None))
+    # (weight gradients: not the filter gradients made last with them, deferred_through)
+    return recompute, back, sum(1 for op, *_ in deferred if op in graph.deferred)
+
+
+def _deferred_steps(run, deferred):
+    """The gradients the rewrite makes after every segment, in the order it made
+    their segments' backward passes; each keeps what it reads alive until then.
+    They wait for the same tensors, so the executor runs as many side by side as it
+    has threads (StepGraph.inter_op_threads): what each one reads and its
+    temporaries (a filter gradient's im2col buffer) are alive through the next
+    ones' steps. (Counted in steps that make temporaries, a filter gradient's: the
+    Cast of its result to the weight's float32 takes no thread for long.)"""
+    graph, timeline, gradients = run.graph, run.timeline, run.gradients
+    steps = [timeline.step(("deferred", op, None)) for op, _, _, _ in deferred]
+    working = [step for step, entry in zip(steps, deferred) if entry[3]]
+    position = {step: index for index, step in enumerate(working)}
+    side_by_side = max(graph.inter_op_threads, 1)
+    for step, (op, pairs, held, temporaries) in zip(steps, deferred):
+        until = step
+        if temporaries:
+            until = working[min(position[step] + side_by_side, len(working)) - 1]
+            timeline.buffer(step, temporaries, "gradients", op_owner(op), end=until)
+        for buffer in held:
+            timeline.use(buffer, until)
+        for tid in graph.outputs[op]:  # (made here where deferred through op)
+            gradients.consume(tid, until)
+        for tid, nbytes in pairs:
+            gradients.contribute(tid, nbytes, step)
+
+
+def _recompute(run, index, offloaded, starts, prefetch, back):
+    """Segment `index`'s recomputation: (its Recomputed buffers, its cost). Its
+    offloaded reads (appended to `back`) come back from the start of the segment
+    `prefetch` earlier, or of the latest started (recomputing ahead)."""
+    graph, timeline, forward, segmentation = run.graph, run.timeline, run.forward, run.segmentation
+    ops = segmentation.ops[segmentation.order[index]]
+    executed = segmentation.executed(segmentation.order[index])
+    local = Recomputed()
+    tensors = local.tensors
+    for tid in _outside_reads(graph, ops, executed, offloaded):
+        back.append(tid)
+        start = starts[min(max(index - prefetch, 0), len(starts) - 1)]
+        tensors[tid] = timeline.buffer(start, graph.size[tid], "offloaded back", tid)
+    cost = graph.costs.segment_overhead
+    narrowed = segmentation.reads_forward.narrowed
+    for tid in _outside_reads(graph, ops, executed, narrowed):
+        cast = graph.producer[tid]
+        cost += graph.cost[cast] + graph.costs.op_overhead
+        step = timeline.step(("recompute", cast, index))
+        timeline.use(forward[narrowed[tid]], step)
+        tensors[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
+    for op in ops:
+        if op not in executed:
+            continue
+        cost += graph.cost[op] + graph.costs.op_overhead
+        step = timeline.step(("recompute", op, index))
+        for tid in graph.inputs[op]:
+            timeline.use(tensors.get(tid, forward[tid]), step)
+        for tid in graph.outputs[op]:
+            source = graph.alias_of[tid]
+            if source >= 0 and (source in tensors or tid not in graph.forwarded):
+                tensors[tid] = tensors.get(source, forward[source])
+            else:
+                tensors[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid,
+                                               pieces=graph.pieces.get(tid, 1))
+        if op in graph.folded:
+            local.folded[op] = timeline.buffer(step, graph.folded[op], "recomputed",
+                                               op_owner(op))
+        if op in graph.held:
+            local.held[op] = timeline.buffer(step, graph.held[op], "recomputed", op_owner(op))
+    return local, cost
+
+
+def _outside_reads(graph, ops, executed, among):
+    """The tensors of `among` (offloaded or narrowed checkpoints) made outside a
+    segment that its recomputation or backward reads."""
+    if not among:
+        return []
+    members = set(ops)
+    reads = set()
+    for op in ops:
+        candidates = list(graph.grad_reads[op])
+        if op in executed:
+            candidates += graph.inputs[op]
+        reads.update(t for t in candidates
+                     if t in among and graph.producer[t] not in members)
+    return sorted(reads)

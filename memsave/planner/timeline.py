@@ -1,0 +1,181 @@
+"""The bookkeeping of one simulated step: steps, the buffers alive over them, and the
+gradients arriving into them.
+
+A `Timeline` is a list of steps (labels) and a list of buffers, each alive from the
+step that makes it to the last step that reads it; its peak is the largest sum of
+live bytes over the steps. `Gradients` tracks, per tensor, the contributions to its
+gradient as they arrive and their sum once the last one has. Both know nothing of
+TensorFlow's kernels: memsave.planner.simulate decides what each step makes and reads.
+
+A buffer's owner is a tensor id (the tensor's buffer, or with a gradient kind its
+gradient's) or `op_owner(op)`, a negative number, for what an op's gradient makes or
+keeps that no tensor shows (its temporaries, a loop's per-iteration state).
+"""
+
+from memsave.planner import intervals
+
+# The end of a buffer alive to the end of the step (resident tensors, the xs' gradients).
+FOREVER = 1 << 62
+# The kind of the buffers a training step holds beside the gradients (memsave.beside).
+BESIDE = "beside"
+
+
+def op_owner(op):
+    """The owner of a buffer that belongs to op `op` rather than to a tensor."""
+    return -(op + 1)
+
+
+def owner_op(owner):
+    """The op of an owner made by op_owner."""
+    return -owner - 1
+
+
+class Timeline:
+    """Steps and buffers; the peak is found with one difference-array pass."""
+
+    def __init__(self):
+        self.labels = []
+        self.starts, self.ends, self.bytes, self.kinds = [], [], [], []
+        # Per buffer, whose it is: a tensor id (a tensor, or with a gradient kind its
+        # gradient), or op_owner(op) for what an op's gradient makes or keeps.
+        self.owners = []
+        # Per buffer, how many allocations of equal size it is made of (a TensorList's
+        # elements, a loop's iterations): the allocator replay places each apart.
+        self.pieces = []
+
+    def step(self, label):
+        """Appends a step labelled `label` (phase, op, segment index); returns its index."""
+        self.labels.append(label)
+        return len(self.labels) - 1
+
+    def buffer(self, start, nbytes, kind, owner, end=None, pieces=1):
+        """Appends a buffer alive from step `start` (to `end`, or only there until a
+        later step reads it); returns its index."""
+        self.starts.append(start)
+        self.ends.append(start if end is None else end)
+        self.bytes.append(nbytes)
+        self.kinds.append(kind)
+        self.owners.append(owner)
+        self.pieces.append(pieces)
+        return len(self.bytes) - 1
+
+    def copy(self):
+        other = Timeline()
+        other.labels = list(self.labels)
+        other.starts, other.ends = list(self.starts), list(self.ends)
+        other.bytes, other.kinds = list(self.bytes), list(self.kinds)
+        other.owners, other.pieces = list(self.owners), list(self.pieces)
+        return other
+
+    def alive_at(self, step):
+        """(bytes, kind, owner) of each buffer alive at `step`, largest first."""
+        alive = [(nbytes, kind, owner) for start, end, nbytes, kind, owner
+                 in zip(self.starts, self.ends, self.bytes, self.kinds, self.owners)
+                 if start <= step <= end and nbytes]
+        return sorted(alive, key=lambda b: (-b[0], b[2]))
+
+    def live_at(self, step):
+        """Bytes alive at `step`, by kind of buffer."""
+        result = {}
+        for start, end, nbytes, kind in zip(self.starts, self.ends, self.bytes, self.kinds):
+            if start <= step <= end and nbytes:
+                result[kind] = result.get(kind, 0) + nbytes
+        return result
+
+    def use(self, buffer, step):
+        """`buffer` (None: no buffer) is read at `step`: alive at least until then."""
+        if buffer is not None and self.ends[buffer] < step:
+            self.ends[buffer] = step
+
+    def last_read_at(self, buffer, step):
+        """Whether `buffer` is made before `step` and read for the last time there."""
+        return (buffer is not None and self.ends[buffer] == step
+                and self.starts[buffer] < step)
+
+    def peak(self):
+        """(peak bytes, step of the peak)."""
+        return intervals.peak(self.starts, self.ends, self.bytes, len(self.labels))
+
+
+class Gradients:
+    """Gradient buffers: contributions, their sum, and when they are consumed."""
+
+    def __init__(self, graph, timeline, expected, beside=None):
+        """Args:
+          graph: the StepGraph.
+          timeline: the Timeline the buffers go into.
+          expected: tensor id -> how many contributions its gradient gets
+            (contribution_counts).
+          beside: the memsave.beside.Beside of the step, or None.
+        """
+        self.graph = graph
+        self.timeline = timeline
+        self.expected = expected
+        self.parts = {}
+        self.total = {}
+        # An update consuming each x's gradient as it is made (memsave.beside.Beside).
+        self.updates_each = beside is not None and beside.updates_each_gradient
+        self.update_temporaries = beside.update_temporaries if beside is not None else 0
+
+    def seed(self, tid, step):
+        """The gradient of y `tid` (ones) is made at `step`."""
+        self._contribute(tid, self.graph.size[tid], step, None)
+
+    def contribute(self, tid, nbytes, step, shares=None):
+        """Adds a contribution to the gradient of `tid`; returns the contribution's own
+        buffer (None where it shares one), not the sum's that may be made with it."""
+        return self._contribute(tid, nbytes, step, shares)
+
+    def _contribute(self, tid, nbytes, step, shares):
+        timeline = self.timeline
+        kind = "gradients of xs" if self.graph.is_x[tid] else "gradients"
+        buffer = shares if shares is not None else timeline.buffer(step, nbytes, kind, tid)
+        parts = self.parts.setdefault(tid, [])
+        parts.append(buffer)
+        if len(parts) >= self.expected.get(tid, 1):
+            if len(parts) == 1:
+                self.total[tid] = buffer
+            else:
+                self.total[tid] = timeline.buffer(step, nbytes, kind, tid)
+            if self.graph.is_x[tid]:
+                self._completed_x(tid, nbytes, step)
+        return None if shares is not None else buffer
+
+    def _completed_x(self, tid, nbytes, step):
+        """An x's gradient is a result: alive to the end of the step, or, where a
+        training step updates each weight as its gradient is made, read there by the
+        update, whose temporaries are alive with it."""
+        if not self.updates_each:
+            self.timeline.use(self.total[tid], FOREVER)
+            return
+        temporaries = int(self.update_temporaries * nbytes)
+        if temporaries:
+            self.timeline.buffer(step, temporaries, BESIDE, tid,
+                                 pieces=max(1, round(self.update_temporaries)))
+
+    def complete(self, tids):
+        """Whether the gradients of `tids` (a non-empty list) have all arrived."""
+        return bool(tids) and all(tid in self.total for tid in tids)
+
+    def consume(self, tid, step):
+        """Reads the gradient of `tid` at `step`; returns its buffer (or None)."""
+        buffer = self.total.get(tid)
+        if buffer is None:
+            for part in self.parts.get(tid, ()):  # not all arrived: read what did
+                self.timeline.use(part, step)
+            return None
+        self.timeline.use(buffer, step)
+        return buffer
+
+
+def contribution_counts(graph):
+    """Tensor id -> how many contributions its gradient gets: one per op whose gradient
+    makes one, and one for each y (its seed)."""
+    counts = {}
+    for op, pairs in enumerate(graph.grad_inputs):
+        for tid, _ in pairs:
+            counts[tid] = counts.get(tid, 0) + 1
+    for tid, is_y in enumerate(graph.is_y):
+        if is_y:
+            counts[tid] = counts.get(tid, 0) + 1
+    return counts
