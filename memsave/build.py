@@ -26,7 +26,7 @@ wait goes. For each part, in the Plan's order:
 then the gradients of the xs are summed, kept sparse where possible (a variable
 read's gradient is its variable's). Before returning, the new ops are checked for a
 cycle. Under XLA, which drops control inputs, the waits are data dependencies
-through conditionals (`_xla_gate`).
+through conditionals (memsave.xla_gates).
 """
 
 import contextlib
@@ -34,7 +34,7 @@ import logging
 
 import tensorflow as tf
 
-from memsave import aggregate, backward, ordering
+from memsave import aggregate, backward, ordering, xla_gates
 from memsave import offload as offload_lib
 from memsave import report as report_lib
 from memsave.errors import DEBUG_HINT, MemsaveError
@@ -128,7 +128,7 @@ class _Builder:
         self.built = Built()
         self.pending = TensorMap()  # tensor -> list of gradient contributions
         self.totals = TensorMap()  # an x made from other xs -> its whole gradient
-        self.under_xla = plan.environment.under_xla  # (see _xla_gate)
+        self.under_xla = plan.environment.under_xla  # (see memsave.xla_gates)
         self.offloader = offload_lib.Offloader(plan.offload, self.step_graph.unknown_dim_size)
         self.triggers = []  # each segment's trigger ops, in the order the backward runs them
         self.trigger_tensors = []  # and one tensor of each (under XLA, the gate's)
@@ -254,7 +254,7 @@ class _Builder:
         ahead for the previous segment's, which the backward pass completes earlier, so
         they run beside that segment's backward pass; under XLA, which drops control
         inputs and merges equal computations, they read their inputs through a data
-        dependency on `trigger` (or the previous segment's) as well (see `_xla_gate`).
+        dependency on `trigger` (or the previous segment's) as well (see `xla_gates.gate_from`).
         """
         local_inputs = backward.segment_reads(ops, self.region, self.checkpoints)
         # (Identities of a call's outputs, made before the copies: a segment reroutes the
@@ -263,7 +263,7 @@ class _Builder:
         self.trigger_tensors.append(trigger)
         wait = -2 if self.plan.recomputes_ahead and len(self.triggers) > 1 else -1
         with tf.name_scope(label):
-            gate = _xla_gate(self.trigger_tensors[wait]) if self.under_xla else None
+            gate = xla_gates.gate_from(self.trigger_tensors[wait]) if self.under_xla else None
             replacements = TensorMap((t, self._local_input(t, gate)) for t in local_inputs)
             copy = copy_with_input_replacements(ops, replacements, name_scope="recompute")
             for op in ops:
@@ -289,7 +289,7 @@ class _Builder:
                 # The gradients leave the segment materialised too: XLA would otherwise
                 # fuse their last elementwise ops into the next segments' readers and keep
                 # this segment's activations alive until then.
-                grads = [_gated(g, gate) for g in grads]
+                grads = [xla_gates.gated(g, gate) for g in grads]
             if self.plan.serializes_conv_gradients:
                 ordering.serialize_conv_gradients(copy.ops, deferred)
         for t, g in zip(local_inputs, grads):
@@ -324,7 +324,7 @@ class _Builder:
         ForwardReads names as the forward pass made them, not from their
         copies; a copy that nothing else reads is never run (TensorFlow prunes it).
         Under XLA they read them through the segment's conditional, as the copies read
-        their inputs (see `_xla_gate`)."""
+        their inputs (see `xla_gates.gate_from`)."""
         graph = self.step_graph
         for op in ops:
             for t in op.outputs:
@@ -334,7 +334,7 @@ class _Builder:
                 copied = copy.transformed(t)
                 if not ordering.readers_made_after(copied, made_before):
                     continue
-                source = t if gate is None else _gated(t, gate, name="forward")
+                source = t if gate is None else xla_gates.gated(t, gate, name="forward")
                 ordering.reroute_readers(copied, source, made_before)
 
     def _deferred_cones(self, local_inputs, grads, made_before):
@@ -365,19 +365,19 @@ class _Builder:
         segment built (the first in the forward pass): for its other gradients, or, where
         it has none, for what its own deferred gradients read. Through control inputs;
         under XLA, which drops those, by reading their inputs through a conditional on
-        a value computed from all of those tensors (as copies wait, see `_xla_gate`)."""
+        a value computed from all of those tensors (as copies wait, see `xla_gates.gate_from`)."""
         if not any(self.deferred_cones):
             return
         last_cones = self.deferred_cones[-1]
         trigger = self.other_gradients[-1] or list(TensorSet(
             t for cone in last_cones for op in cone for t in op.inputs if t.op not in cone))
-        trigger = [t for t in trigger if _is_number(t.dtype)]
+        trigger = [t for t in trigger if xla_gates.is_number(t.dtype)]
         if not trigger:
             return
         with tf.name_scope("deferred"):
             if self.under_xla:
                 # (a sum of 1s: it exists only once every trigger does)
-                wait, after = self._gate_inputs, tf.add_n([_xla_gate(t) for t in trigger])
+                wait, after = xla_gates.gate_inputs, tf.add_n([xla_gates.gate_from(t) for t in trigger])
             else:
                 wait, after = ordering.wait_for, [t.op for t in trigger]
             count = 0
@@ -387,21 +387,6 @@ class _Builder:
                     count += 1
         self.built.deferred_gradients = count + len(last_cones)
 
-    @staticmethod
-    def _gate_inputs(cone, gate):
-        """Under XLA: the ops of `cone` read the values they read from outside it through
-        a conditional on `gate`, so XLA cannot run them before `gate` exists. Integer
-        inputs are shapes and indices, which XLA needs as compile-time constants (a
-        filter gradient's filter sizes): not gated."""
-        gated = TensorMap()
-        for op in cone:
-            for index, t in enumerate(op.inputs):
-                if t.op in cone or not (t.dtype.is_floating or t.dtype.is_complex):
-                    continue
-                if t not in gated:
-                    gated[t] = _gated(t, gate, name="deferred_input")
-                _tf_private.update_input(op, index, gated[t])
-
     def _local_input(self, t, gate):
         """The segment's own view of outside tensor `t` (the module's `_local_input`); of
         a narrowed checkpoint (ForwardReads.narrowed), a Cast of the view of its narrower
@@ -409,8 +394,8 @@ class _Builder:
         tid = self.step_graph.tensor_id.get((t.op, t.value_index))
         source = self.plan.forward_reads.narrowed.get(tid)
         if source is None:
-            return _local_input(self._source_of(t), gate)
-        narrow = _local_input(self.step_graph.tensors[source], gate)
+            return xla_gates.local_input(self._source_of(t), gate)
+        narrow = xla_gates.local_input(self.step_graph.tensors[source], gate)
         with tf.device(t.op.device) if t.op.device else contextlib.nullcontext():
             return tf.raw_ops.Cast(x=narrow, DstT=t.dtype, Truncate=t.op.get_attr("Truncate"),
                                    name="narrowed_input")
@@ -498,59 +483,6 @@ class _Builder:
             result = [g if g is not None else _tf_private.zero_gradient_like(x)
                       for g, x in zip(result, self.xs)]
         return result
-
-
-def _local_input(t, gate=None):
-    """A segment's own view of an outside tensor, on the tensor's device.
-
-    An identity, not a stop_gradient: the segment's tf.gradients call stops at
-    it anyway (it is one of that call's xs and stop_gradients), and a
-    stop_gradient would also cut every higher-order gradient taken through
-    the gradients memsave returns (they would come out None). Under XLA, `t`
-    itself from a conditional on `gate` (a 1 XLA cannot fold), so the copies wait for
-    the segment's gradient; exact for every value, -0.0 and NaN included.
-    """
-    placement = tf.device(t.op.device) if t.op.device else contextlib.nullcontext()
-    with placement:
-        if gate is not None and _is_number(t.dtype):
-            return _gated(t, gate, name="input")
-        return tf.identity(t, name="input")
-
-
-def _gated(t, gate, name="gated"):
-    """`t` from a conditional on `gate` (under XLA; None and non-numeric tensors pass).
-
-    XLA materialises a conditional's operand and cannot fuse the operand's producer
-    into the branch, so whoever reads the result reads `t` itself, not a copy of its
-    producer (which would keep the producer's own inputs alive, e.g. convolution
-    outputs from the forward pass); and it cannot run before `gate` exists.
-    """
-    if t is None or isinstance(t, tf.IndexedSlices) or not _is_number(t.dtype):
-        return t
-    return tf.cond(gate > 0.5, lambda: tf.identity(t), lambda: tf.zeros_like(t), name=name)
-
-
-def _is_number(dtype):
-    return dtype.is_floating or dtype.is_complex or dtype.is_integer
-
-
-def _xla_gate(trigger):
-    """A float32 scalar 1 computed from the data of `trigger` (the incoming gradient of
-    a segment, or the ys for the last one).
-
-    XLA ignores control inputs and merges equal computations, so copies that only
-    wait for their segment's gradient through control inputs would be merged back
-    into the forward pass (nothing saved). Copies that read their inputs through a
-    conditional on this value differ from the forward ops and cannot run before
-    `trigger` exists. It reads one element; any value (NaN, an empty tensor) gives 1
-    (tf.recompute_grad does the same).
-    """
-    with tf.name_scope("xla_gate"):
-        if trigger.dtype.is_complex:
-            trigger = tf.math.real(trigger)
-        first = tf.reduce_max(tf.reshape(trigger, [-1])[:1])  # -inf when empty
-        as_bool = tf.cast(first, tf.bool)  # NaN -> True
-        return tf.where(tf.equal(as_bool, as_bool), 1.0, float("nan"))
 
 
 def _trace_to_originals(copy, made_before):

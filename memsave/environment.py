@@ -89,7 +89,7 @@ class Environment:
     def may_read_checkpoints(self):
         """Whether segments may read their checkpoints as the forward pass made them: not
         under XLA, where the reads go through conditionals (as the copies' inputs do,
-        see memsave.build._xla_gate) and XLA's buffers for the small CNN of
+        see memsave.xla_gates) and XLA's buffers for the small CNN of
         tests/test_memory.py grew from 0.41x to 0.47x of tf.gradients' with them."""
         return not self.under_xla
 

@@ -33,6 +33,8 @@ FORBIDDEN = {
     "memsave.rewrite": ["memsave.integrations", "memsave.calibration", "memsave.tape"],
     "memsave.ordering": ["memsave.planner", "memsave.strategies", "memsave.planning",
                          "memsave.build", "memsave.rewrite"],
+    "memsave.xla_gates": ["memsave.planner", "memsave.strategies", "memsave.planning",
+                          "memsave.build", "memsave.rewrite", "memsave.ordering"],
     "memsave.tape": ["memsave.integrations", "memsave.calibration"],
     # The memory model, lowest first: timeline -> forward_pass, schedule -> simulate_plan
     # -> simulate -> memory (the surface) -> search.

@@ -3,7 +3,7 @@
 XLA drops control inputs and merges equal computations, so copies that only wait
 for their segment's gradient through control inputs would be merged back into the
 forward pass. Under XLA memsave's copies read their inputs through a data
-dependency on that gradient (memsave.rewrite._xla_gate). These tests count the dot
+dependency on that gradient (memsave.xla_gates). These tests count the dot
 and convolution ops of the optimized HLO (forward + recomputation + backward, not
 forward + backward) and compare every gradient with tf.gradients' in float64.
 Measured peaks under XLA are in tests/test_memory.py.

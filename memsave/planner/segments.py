@@ -70,7 +70,7 @@ class ForwardReads:
 def widening_cast_input(graph, op):
     """The input id of region op `op` where it is a Cast of a number to a wider type,
     else None. (Not of a bool: under XLA a segment reads its inputs through a
-    conditional that passes numbers only, memsave.build's `_gated`.)"""
+    conditional that passes numbers only, memsave.xla_gates.gated.)"""
     if graph.kind[op] != REGION or graph.ops[op].type != "Cast" or len(graph.inputs[op]) != 1:
         return None
     (source,), (output,) = graph.inputs[op], graph.outputs[op]
