@@ -259,7 +259,7 @@ class _Builder:
         local_inputs = backward.segment_reads(ops, self.region, self.checkpoints)
         # (Identities of a call's outputs, made before the copies: a segment reroutes the
         # readers of the tensors it recomputes that are made after its copies.)
-        self.triggers.append(ordering.done_ops(trigger_ops + self._previous_backward()))
+        self.triggers.append(ordering.done_ops(trigger_ops + self._previous_backward(trigger_ops)))
         self.trigger_tensors.append(trigger)
         wait = -2 if self.plan.recomputes_ahead and len(self.triggers) > 1 else -1
         with tf.name_scope(label):
@@ -410,21 +410,21 @@ class _Builder:
         self.built.offloaded.append(t.name)
         return self.offloader.copy_back(t, self.triggers[prefetch_from])
 
-    def _previous_backward(self):
-        """The ops making the gradients of the segment built last (but its deferred
-        weight gradients, which wait for later segments): what follows a trigger waits
-        for these too, as the memory model has that segment's backward pass done when its
+    def _previous_backward(self, trigger_ops):
+        """A NoOp waiting for the ops making the gradients of the segment built last (but
+        its deferred weight gradients, which wait for later segments), or nothing where
+        those are all among `trigger_ops`: what follows a trigger waits for these too, as the memory model has that segment's backward pass done when its
         last gradient is. Waiting for the trigger alone, an executor ran the next
         segment's recomputation while a weight gradient still held the segment's
         activation and incoming gradient. Measured (AMD EPYC without AVX-512, a float64
         16 x tanh(256) MLP, batch 2048, a budget's plan recomputing ahead): 61.5-66.5
         MiB for 54.5 predicted."""
-        if not self.other_gradients or not self.other_gradients[-1]:
+        previous = [g.op for g in self.other_gradients[-1]] if self.other_gradients else []
+        if all(op in trigger_ops for op in previous):  # (a chain's: the trigger is all of it)
             return []
         # (One NoOp waiting for them all: the copies then wait for one op each, not for
         # every gradient of the segment before.)
-        done = ordering.done_ops([g.op for g in self.other_gradients[-1]])
-        return [tf.group(*done, name="previous_backward_done")]
+        return [tf.group(*ordering.done_ops(previous), name="previous_backward_done")]
 
     @staticmethod
     def _order_after(copy, locals_, trigger_ops):
