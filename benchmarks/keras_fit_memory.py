@@ -4,6 +4,7 @@ plain Keras under `memsave.patch` (its fit's tf.GradientTape computed by memsave
     python benchmarks/keras_fit_memory.py                      # 24 Dense layers, batch 2048
     python benchmarks/keras_fit_memory.py --depth 48 --width 512 --checkpoints memory speed
     python benchmarks/keras_fit_memory.py --model gpt --examples 17 --optimizer adam --plan-batch 1
+    python benchmarks/keras_fit_memory.py --model gpt2 --examples 17 --optimizer adam
 
 Each configuration runs in its own process (`memsave.measure.run_isolated`, BFC
 allocator on): build the model (a deep tanh MLP, or benchmarks.models' GPT from Keras
@@ -78,18 +79,22 @@ def synthetic_batch(batch, width, classes, seed=1):
             rng.randint(0, classes, size=(batch,)).astype("int32"))
 
 
-def _gpt_model_and_data(depth, batch, examples):
-    """benchmarks.models' GPT (Keras layers) as a keras.Model, and `examples` sequences."""
+SEQUENCE_MODELS = {"gpt": "GPT (Keras layers)", "gpt2": "keras-hub GPT2CausalLM"}
+
+
+def _sequence_model_and_data(model, depth, examples):
+    """benchmarks.models' GPT (Keras layers) or keras-hub's GPT-2 as a keras.Model, and
+    `examples` sequences."""
     from benchmarks import models
-    bench = models.build_model("gpt", depth=depth or None, batch=examples)
+    bench = models.build_model(model, depth=depth or None, batch=examples)
     return bench.keras_model, bench.inputs
 
 
 def _model_and_data(model, checkpoints, patched, depth, width, batch, classes, examples):
     """(an uncompiled keras.Model whose fit uses memsave where it should, x, y)."""
     import memsave
-    if model == "gpt":
-        net, (x, y) = _gpt_model_and_data(depth, batch, examples)
+    if model in SEQUENCE_MODELS:
+        net, (x, y) = _sequence_model_and_data(model, depth, examples)
         if checkpoints is not None and not patched:
             memsave.keras.enable(net, checkpoints=checkpoints)
         return net, x, y
@@ -108,8 +113,9 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
       checkpoints: None for plain Keras, else the memsave strategy name.
       patched: a plain keras.Model fitted under memsave.patch(checkpoints=...), not a
         memsave.keras model.
-      model: "mlp" (a deep tanh MLP of `depth` x Dense(`width`)) or "gpt"
-        (benchmarks.models' GPT from Keras layers, `depth` blocks).
+      model: "mlp" (a deep tanh MLP of `depth` x Dense(`width`)), "gpt"
+        (benchmarks.models' GPT from Keras layers, `depth` blocks) or "gpt2" (keras-hub's
+        GPT2CausalLM, `depth` layers: pip install keras-hub).
       depth, width, batch, classes: model and batch size.
       examples: examples in the epoch (default `batch`: one full batch, which Keras
         traces with a static batch; one more than a multiple of `batch` leaves a partial
@@ -220,13 +226,14 @@ def format_rows(rows):
 def main(argv=None):
     """Command line: measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp",
-                        help="a deep tanh MLP, or benchmarks.models' GPT from Keras layers")
+    parser.add_argument("--model", choices=["mlp", *SEQUENCE_MODELS], default="mlp",
+                        help="a deep tanh MLP, benchmarks.models' GPT from Keras layers, or "
+                             "keras-hub's GPT2CausalLM (gpt2: pip install keras-hub)")
     parser.add_argument("--depth", type=int, default=None,
-                        help=f"layers (mlp, default {DEFAULTS['depth']}) or blocks (gpt, 6)")
+                        help=f"layers (mlp, default {DEFAULTS['depth']}) or blocks (gpt, gpt2: 6)")
     parser.add_argument("--width", type=int, default=DEFAULTS["width"])
     parser.add_argument("--batch", type=int, default=None,
-                        help=f"fit's batch_size (mlp: {DEFAULTS['batch']}, gpt: 8)")
+                        help=f"fit's batch_size (mlp: {DEFAULTS['batch']}, gpt, gpt2: 8)")
     parser.add_argument("--examples", type=int, default=None,
                         help="examples per epoch (default: one batch, which Keras traces with "
                              "a static batch; 2 x batch + 1 leaves a partial batch, and a "
@@ -241,14 +248,14 @@ def main(argv=None):
     parser.add_argument("--jit", action="store_true", help="compile with jit_compile=True (XLA)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    gpt = args.model == "gpt"
+    gpt = args.model in SEQUENCE_MODELS
     depth = args.depth or (6 if gpt else DEFAULTS["depth"])
     batch = args.batch or (8 if gpt else DEFAULTS["batch"])
     rows = compare(tuple(args.checkpoints), jobs=args.jobs, depth=depth, width=args.width,
                    batch=batch, jit_compile=args.jit, model=args.model,
                    examples=args.examples, optimizer=args.optimizer,
                    plan_batches=[None] + (args.plan_batch or []))
-    shape = f"GPT (Keras layers), {depth} blocks" if gpt else f"{depth} x Dense({args.width}, tanh)"
+    shape = f"{SEQUENCE_MODELS[args.model]}, {depth} blocks" if gpt else f"{depth} x Dense({args.width}, tanh)"
     print(f"Keras fit epoch, {shape}, batch {batch}, {args.examples or batch} examples, "
           f"{args.optimizer}" + (", jit_compile=True (XLA)" if args.jit else ""))
     print(format_rows(rows))
