@@ -122,6 +122,27 @@ def silu_mlp(mode, layers=24, batch=2048, width=256):
     return _measure(step, x)
 
 
+def gelu_mlp(mode, blocks=3, batch=2048, width=256, hidden=1024):
+    """Residual blocks of `gelu(h @ w1, approximate=True) @ w2` (keras-hub's GPT-2 MLP)
+    in tf.function. The tanh approximation takes `pow(x, 3)`, whose gradient reads its
+    output only for the exponent's gradient, which nothing asks for."""
+    rng = np.random.RandomState(0)
+    pairs = [(tf.Variable((rng.standard_normal([width, hidden]) * 0.05).astype(np.float32)),
+              tf.Variable((rng.standard_normal([hidden, width]) * 0.05).astype(np.float32)))
+             for _ in range(blocks)]
+    weights = [w for pair in pairs for w in pair]
+
+    @tf.function
+    def step(x):
+        h = x
+        for w1, w2 in pairs:
+            h = h + tf.matmul(tf.nn.gelu(tf.matmul(h, w1), approximate=True), w2)
+        return _gradient_fn(mode, [])(tf.reduce_sum(h * h), weights)
+
+    x = device_input(rng.standard_normal([batch, width]).astype(np.float32))
+    return _measure(step, x)
+
+
 def chain_v1(mode, n=100):
     """The tanh chain of `chain` in a tf.compat.v1 graph, fed through a placeholder."""
     graph = tf.Graph()
