@@ -48,6 +48,11 @@ FORBIDDEN = {
     "memsave.planner.simulate_plan": ["memsave.planner.simulate", "memsave.planner.memory",
                                       "memsave.planner.search"],
     "memsave.planner.simulate": ["memsave.planner.memory", "memsave.planner.search"],
+    # The facts of op types: plain data, below everything of memsave that reads them.
+    "memsave.planner.op_facts": ["memsave.planner", "memsave.graph", "memsave.region",
+                                 "memsave.environment", "memsave.strategies",
+                                 "memsave.ordering", "memsave.planning", "memsave.build",
+                                 "memsave.rewrite"],
     # What StepGraph.build calls, and the kinds of ops they read: below the StepGraph.
     "memsave.planner.op_kinds": ["memsave.planner.graph", "memsave.planner.memory",
                                  "memsave.planner.search"],

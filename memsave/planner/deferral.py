@@ -8,11 +8,12 @@ records.
 """
 
 from memsave.planner import opinfo
+from memsave.planner.op_facts import types_where
 from memsave.planner.op_kinds import KEPT, REGION, RESIDENT
 
 # Ops whose gradient is their output's gradient, converted (the deferral follows a
 # weight's gradient through them to the op that makes it: _held_if_deferred).
-_CONVERTING_TYPES = frozenset(["Cast"]) | opinfo.ALIAS_OP_TYPES
+_CONVERTING_TYPES = types_where(lambda f: f.converts_gradient or f.aliases_input)
 
 
 def find_deferred(step):
