@@ -413,8 +413,7 @@ def test_the_model_frees_a_calls_incoming_gradient_before_its_backward_peak():
             h = layer(h, w, bias)
             outputs.append(h)
         model = planner.model_of(ForwardRegion.build([tf.reduce_sum(h * h)], [x] + weights))
-        model.baseline()
-        _, timeline, _ = model._last
+        timeline, _ = model.simulated()
         graph = model.graph
         for out in outputs[:-1]:  # (the last one's gradient is made by the loss's)
             call = graph.producer[graph.id_of(out)]

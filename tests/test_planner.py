@@ -153,8 +153,7 @@ def test_recomputing_ahead_starts_once_its_gradient_is_complete():
         plan = _ids(model, [outs[3], outs[7]])
         order = {}
         for ahead in (False, True):
-            model.predict(plan, recompute_ahead=ahead)
-            labels = model._last[1].labels
+            labels = model.simulated(plan, recompute_ahead=ahead)[0].labels
             op_of = lambda t: model.graph.producer[model.graph.id_of(t)]  # noqa: E731
             first_copy = labels.index(("recompute", op_of(outs[0]), 2))
             side_gradient = labels.index(("backward", op_of(sines[0]), 0))
@@ -311,8 +310,7 @@ def test_a_gradients_temporaries_are_replayed_as_the_tensors_they_are():
         assert step.temporary_pieces(op, 2 * S) == 2
         assert step.temporary_pieces(op, 3 * S) == 1  # (a workspace added: one chunk)
         model = planner.MemoryModel(step)
-        model.baseline()
-    timeline = model._last[1]
+        timeline, _ = model.simulated()
     assert [pieces for owner, pieces in zip(timeline.owners, timeline.pieces)
             if owner == -(op + 1)] == [2]
 
@@ -468,7 +466,7 @@ def test_a_folded_product_of_a_checkpoint_is_held_from_the_forward_pass():
         product = graph.folded[softmax]
         kept = graph.id_of(probabilities)
         prediction = model.predict([kept], read_checkpoints=True)
-        _, timeline, segmentation = model._last
+        timeline, segmentation = model.simulated([kept], read_checkpoints=True)
         assert all(softmax not in segmentation.executed(head) for head in segmentation.order)
         held = [b for b, owner in enumerate(timeline.owners)
                 if owner == -(softmax + 1) and timeline.kinds[b] == "forward"]
@@ -480,8 +478,7 @@ def test_a_folded_product_of_a_checkpoint_is_held_from_the_forward_pass():
         assert prediction.peak_bytes > 0
         # Where the softmax's copy runs, the product is the copy's, made when it is.
         scores = graph.inputs[softmax][0]
-        model.predict([scores])
-        _, timeline, segmentation = model._last
+        timeline, segmentation = model.simulated([scores])
         assert any(softmax in segmentation.executed(head) for head in segmentation.order)
         made = {timeline.kinds[b]: timeline.labels[timeline.starts[b]][0]
                 for b, owner in enumerate(timeline.owners)

@@ -193,7 +193,7 @@ class MemoryModel:
           buffers, largest first; `what` names a tensor, a tensor's gradient ("gradient
           of ..."), or an op gradient's temporaries ("temporaries of the gradient of ...").
         """
-        timeline, segmentation = self._simulated(checkpoints, read_checkpoints=read_checkpoints)
+        timeline, segmentation = self.simulated(checkpoints, read_checkpoints=read_checkpoints)
         _, at = timeline.peak()
         return (self.describe(timeline.labels[at], segmentation),
                 self._largest_at(timeline, at, top))
@@ -202,7 +202,7 @@ class MemoryModel:
               recompute_ahead=False, top=5):
         """The live bytes over the step of a plan (tf.gradients' where `checkpoints` is
         None), for pictures: a memsave.planner.curves.Curve (arguments as predict's)."""
-        timeline, segmentation = self._simulated(checkpoints, offloaded, prefetch,
+        timeline, segmentation = self.simulated(checkpoints, offloaded, prefetch,
                                                  read_checkpoints, recompute_ahead)
         _, at = timeline.peak()
         live = intervals.live_per_step(timeline.starts, timeline.ends, timeline.bytes,
@@ -260,10 +260,12 @@ class MemoryModel:
     def _segmentation(self, key):
         return Segmentation(self.graph, key[0], key[1], key[3])
 
-    def _simulated(self, checkpoints=None, offloaded=(), prefetch=1, read_checkpoints=False,
-                   recompute_ahead=False):
+    def simulated(self, checkpoints=None, offloaded=(), prefetch=1, read_checkpoints=False,
+                  recompute_ahead=False):
         """(timeline, segmentation) of a plan simulated now (tf.gradients' where
-        `checkpoints` is None; arguments as predict's)."""
+        `checkpoints` is None, with segmentation None; arguments as predict's): the
+        step as the model runs it, for a curve, the largest tensors at its peak, or a
+        test."""
         if checkpoints is None:
             self._simulate(_BASELINE, None)
         else:
