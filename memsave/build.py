@@ -17,8 +17,9 @@ wait goes. For each part, in the Plan's order:
   the checkpoint it ends at) as the forward pass made them, so the copies that would
   only remake them never run;
 - the copies wait, through control inputs, for what must come first (the forward
-  ys, or the gradient of their checkpoints), or they would run during the forward
-  pass and nothing would be saved; weight gradients larger than what they read
+  ys, or the gradient of their checkpoints and the whole backward pass of the
+  segment built before), or they would run during the forward pass and nothing
+  would be saved; weight gradients larger than what they read
   (StepGraph.deferred) wait for the last segment's backward pass;
 - ops that are not recomputed (control flow, stateful ops) are differentiated as
   they are, each once, with the whole gradient of their outputs;
@@ -37,10 +38,9 @@ import tensorflow as tf
 from memsave import aggregate, backward, ordering, xla_gates
 from memsave import offload as offload_lib
 from memsave import report as report_lib
-from memsave.errors import DEBUG_HINT, MemsaveError
 from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
-from memsave.graph.select import TensorMap, TensorSet, get_ops_on_cycles
+from memsave.graph.select import TensorMap, TensorSet
 from memsave.graph.transform import copy_with_input_replacements
 from memsave.region import estimated_bytes
 
@@ -68,7 +68,7 @@ def build(plan, ys, xs, grad_ys, options):
     builder = _Builder(plan, ys, xs, grad_ys, options)
     with tf.name_scope(options.name):
         result = builder.run()
-    _check_acyclic(graph.get_operations()[made_before:])
+    ordering.check_acyclic(graph.get_operations()[made_before:])
     return result, builder.built
 
 
@@ -88,27 +88,6 @@ class Built:
         report.offload_moved_bytes = self.moved_bytes
         report.deferred_gradients = self.deferred_gradients
         return report
-
-
-def _check_acyclic(new_ops):
-    """Raises where the rewrite's ops (`new_ops`) close a cycle, which TensorFlow would
-    only refuse when the step runs; their control inputs are removed first, so what
-    is left in the graph is never run and never fails.
-
-    Raises:
-      MemsaveError: naming ops on the cycle.
-    """
-    on_cycles = get_ops_on_cycles(new_ops)
-    if not on_cycles:
-        return
-    for op in new_ops:
-        _tf_private.remove_control_inputs(op)
-    names = ", ".join(op.name for op in on_cycles[:6]) + (" ..." if len(on_cycles) > 6 else "")
-    raise MemsaveError(
-        f"the rewrite would close a cycle of {len(on_cycles)} ops ({names}), so no gradients "
-        "were returned; this is a bug in memsave, please report it with the model. Meanwhile, "
-        f"another strategy (e.g. checkpoints='memory' or a list) or tf.gradients avoids it "
-        f"{DEBUG_HINT}")
 
 
 class _Builder:
@@ -137,6 +116,9 @@ class _Builder:
         # other gradients.
         self.defer = bool(plan.deferred)
         self.deferred_cones, self.other_gradients = [], []
+        # Per segment, the ops making its gradients but the deferred ones, sparse ones
+        # included (what the next segment's copies wait for: _previous_backward).
+        self.backward_ops = []
 
     def run(self):
         self._seed_ys_outside_the_last_segment()
@@ -250,16 +232,18 @@ class _Builder:
     def _segment(self, seg_ys, seg_grad_ys, trigger_ops, trigger, label, ops):
         """Copies `ops` (the planned segment's that `seg_ys` needs) and differentiates them.
 
-        The copies wait for `trigger_ops` (control inputs), or where the plan recomputes
-        ahead for the previous segment's, which the backward pass completes earlier, so
-        they run beside that segment's backward pass; under XLA, which drops control
-        inputs and merges equal computations, they read their inputs through a data
-        dependency on `trigger` (or the previous segment's) as well (see `xla_gates.gate_from`).
+        The copies wait for `trigger_ops` and the backward pass of the segment built
+        before (`_previous_backward`; control inputs), or where the plan recomputes ahead
+        for the previous segment's, which the backward pass completes earlier, so they
+        run beside that segment's backward pass; under XLA, which drops control inputs
+        and merges equal computations, they read their inputs through a data dependency
+        on `trigger` (or the previous segment's) as well (see `xla_gates.gate_from`).
         """
         local_inputs = backward.segment_reads(ops, self.region, self.checkpoints)
         # (Identities of a call's outputs, made before the copies: a segment reroutes the
         # readers of the tensors it recomputes that are made after its copies.)
-        self.triggers.append(ordering.done_ops(trigger_ops + self._previous_backward(trigger_ops)))
+        after = trigger_ops + self._previous_backward(trigger_ops)
+        self.triggers.append(ordering.done_ops(after))
         self.trigger_tensors.append(trigger)
         wait = -2 if self.plan.recomputes_ahead and len(self.triggers) > 1 else -1
         with tf.name_scope(label):
@@ -339,8 +323,9 @@ class _Builder:
 
     def _deferred_cones(self, local_inputs, grads, made_before):
         """Records the ops that make this segment's deferred weight gradients (one set
-        per gradient: the ops made by its tf.gradients call that nothing else reads) and
-        the segment's other gradients; returns all the deferred ops."""
+        per gradient: the ops made by its tf.gradients call that nothing else reads), the
+        segment's other gradients, and the ops making those; returns all the deferred
+        ops."""
         cones = []
         if self.defer:
             deferred_tensors = self.plan.deferred
@@ -358,6 +343,9 @@ class _Builder:
         self.deferred_cones.append(cones)
         self.other_gradients.append(
             [g for g in grads if isinstance(g, tf.Tensor) and g.op not in deferred])
+        self.backward_ops.append([t.op for g in grads if g is not None for t in (
+            (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))
+            if t.op not in deferred])
         return deferred
 
     def _defer_weight_gradients(self):
@@ -377,7 +365,8 @@ class _Builder:
         with tf.name_scope("deferred"):
             if self.under_xla:
                 # (a sum of 1s: it exists only once every trigger does)
-                wait, after = xla_gates.gate_inputs, tf.add_n([xla_gates.gate_from(t) for t in trigger])
+                wait = xla_gates.gate_inputs
+                after = tf.add_n([xla_gates.gate_from(t) for t in trigger])
             else:
                 wait, after = ordering.wait_for, [t.op for t in trigger]
             count = 0
@@ -403,7 +392,8 @@ class _Builder:
     def _source_of(self, t):
         """Where a segment reads input `t` from: an offloaded checkpoint's copy back, which
         leaves the host once the segment a prefetch distance earlier in the backward
-        pass has its gradient (memsave.offload); `t` itself otherwise."""
+        pass has its gradient and the segment before it its whole backward pass
+        (memsave.offload, `_previous_backward`); `t` itself otherwise."""
         if t not in self.checkpoints or t.name not in self.plan.offloaded:
             return t
         prefetch_from = max(len(self.triggers) - 1 - self.plan.offload.prefetch, 0)
@@ -413,13 +403,18 @@ class _Builder:
     def _previous_backward(self, trigger_ops):
         """A NoOp waiting for the ops making the gradients of the segment built last (but
         its deferred weight gradients, which wait for later segments), or nothing where
-        those are all among `trigger_ops`: what follows a trigger waits for these too, as the memory model has that segment's backward pass done when its
-        last gradient is. Waiting for the trigger alone, an executor ran the next
-        segment's recomputation while a weight gradient still held the segment's
-        activation and incoming gradient. Measured (AMD EPYC without AVX-512, a float64
-        16 x tanh(256) MLP, batch 2048, a budget's plan recomputing ahead): 61.5-66.5
-        MiB for 54.5 predicted."""
-        previous = [g.op for g in self.other_gradients[-1]] if self.other_gradients else []
+        those are all among `trigger_ops`: what follows a trigger waits for these too,
+        as the memory model has that segment's backward pass done when its last
+        gradient is. Waiting for the trigger alone, an executor ran the next segment's
+        recomputation while a weight gradient still held the segment's activation and
+        incoming gradient. Measured (AMD EPYC without AVX-512, a float64 16 x tanh(256)
+        MLP, batch 2048, a budget's plan recomputing ahead): 59.0-67.5 MiB, median 63.0,
+        for 54.5 predicted; 46.5-63.5, median 50-55.5, with it.
+
+        (The model may start a segment's recomputation ahead earlier than this lets it,
+        where the gradient it waits for is complete before the rest of the backward pass
+        that makes it: an over-prediction, on the safe side.)"""
+        previous = self.backward_ops[-1] if self.backward_ops else []
         if all(op in trigger_ops for op in previous):  # (a chain's: the trigger is all of it)
             return []
         # (One NoOp waiting for them all: the copies then wait for one op each, not for

@@ -5,14 +5,16 @@ An op's inputs exist before it is made, so every data edge runs from an earlier-
 op to a later-made one; the edges added here follow that order, but those that make
 a deferred weight gradient wait for a later segment, TensorFlow's own CPU
 convolution gradients, ordered pairwise, and the ops of one gradient function that
-read nothing of each other, chained last made first (`_first_input_last`).
+read nothing of each other, chained last made first (`_first_input_last`). Before a
+rewrite returns, `check_acyclic` makes sure its new ops close no cycle.
 """
 
 import tensorflow as tf
 
+from memsave.errors import DEBUG_HINT, MemsaveError
 from memsave.graph import _tf_private, calls
 from memsave.graph.reroute import reroute_ts
-from memsave.graph.select import tensor_key
+from memsave.graph.select import get_ops_on_cycles, tensor_key
 from memsave.region import SHAPE_READER_OP_TYPES, estimated_bytes
 
 
@@ -219,3 +221,24 @@ def exclusive_cone(gradient, made_before, returned):
                 cone.add(p)
                 stack.append(p)
     return cone
+
+
+def check_acyclic(new_ops):
+    """Raises where the rewrite's ops (`new_ops`) close a cycle, which TensorFlow would
+    only refuse when the step runs; their control inputs are removed first, so what
+    is left in the graph is never run and never fails.
+
+    Raises:
+      MemsaveError: naming ops on the cycle.
+    """
+    on_cycles = get_ops_on_cycles(new_ops)
+    if not on_cycles:
+        return
+    for op in new_ops:
+        _tf_private.remove_control_inputs(op)
+    names = ", ".join(op.name for op in on_cycles[:6]) + (" ..." if len(on_cycles) > 6 else "")
+    raise MemsaveError(
+        f"the rewrite would close a cycle of {len(on_cycles)} ops ({names}), so no gradients "
+        "were returned; this is a bug in memsave, please report it with the model. Meanwhile, "
+        f"another strategy (e.g. checkpoints='memory' or a list) or tf.gradients avoids it "
+        f"{DEBUG_HINT}")

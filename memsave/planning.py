@@ -300,9 +300,9 @@ def _offloaded(kept, problem):
     chosen = None
     if any(c.offload is not None for c in kept):
         chosen = {c.tensor.name for c in kept if c.offload}
-    sizes = problem.model.graph.unknown_dim_size
+    unknown_dim_size = problem.model.graph.unknown_dim_size
     return frozenset(c.tensor.name for c in kept
-                     if offload_lib.may_offload(c.tensor, options, accelerator, sizes)
+                     if offload_lib.may_offload(c.tensor, options, accelerator, unknown_dim_size)
                      and (chosen is None or c.tensor.name in chosen))
 
 

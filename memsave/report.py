@@ -196,8 +196,8 @@ class RewriteReport:
                 f"{self.region_ops} ops; {self._recomputation()}, about "
                 f"{self.recompute_fraction:.0%} of a forward pass (a step of about "
                 f"{self.step_time_ratio:.2f}x tf.gradients' time); "
-                f"{_count(len(self.not_recomputable), 'op')} kept as not recomputable{self._loops()}{self._deferred()}{self._offload()}"
-                f"{self._peaks()}")
+                f"{_count(len(self.not_recomputable), 'op')} kept as not recomputable"
+                f"{self._loops()}{self._deferred()}{self._offload()}{self._peaks()}")
 
     def _recomputation(self):
         ahead = ", each a segment ahead" if self.recomputes_ahead else ""
@@ -219,8 +219,8 @@ class RewriteReport:
     def _deferred(self):
         if not self.deferred_gradients:
             return ""
-        return (f"; {_count(self.deferred_gradients, 'weight gradient')} made after the last segment "
-                "(smaller to keep what they read)")
+        return (f"; {_count(self.deferred_gradients, 'weight gradient')} made after the last "
+                "segment (smaller to keep what they read)")
 
     def _offload(self):
         count = sum(c.offloaded for c in self.checkpoints)

@@ -267,13 +267,12 @@ class MemoryModel:
         step as the model runs it, for a curve, the largest tensors at its peak, or a
         test."""
         if checkpoints is None:
-            self._simulate(_BASELINE, None)
-        else:
-            key = _plan_key(checkpoints, offloaded, prefetch, costs.DEFAULT_FLOPS_PER_BYTE,
-                            read_checkpoints, recompute_ahead)
-            self._simulate(key, self._segmentation(key), frozenset(key[1]), prefetch,
-                           ahead=bool(recompute_ahead))
-        return self._last.timeline, self._last.segmentation
+            return self._step(None).timeline, None
+        key = _plan_key(checkpoints, offloaded, prefetch, costs.DEFAULT_FLOPS_PER_BYTE,
+                        read_checkpoints, recompute_ahead)
+        segmentation = self._segmentation(key)
+        step = self._step(segmentation, frozenset(key[1]), prefetch, bool(recompute_ahead))
+        return step.timeline, segmentation
 
     # -- one simulation -----------------------------------------------------------
     def _simulate(self, key, segmentation, offloaded=frozenset(), prefetch=1, flops_per_byte=0,
@@ -281,10 +280,14 @@ class MemoryModel:
         """Simulates the plan of `key` (tf.gradients' step where `segmentation` is None),
         remembers its timeline as the last (self._last), and returns its Prediction
         (replayed through the allocator where `replay`)."""
-        forward_pass = self._forward_pass(unforwardable_outputs(self.graph, segmentation))
-        step = simulate(self._setup, forward_pass, segmentation, offloaded, prefetch, ahead)
+        step = self._step(segmentation, offloaded, prefetch, ahead)
         self._last = _LastRun(key, step.timeline, segmentation)
         return self._prediction_of(step, offloaded, flops_per_byte, ahead, replay)
+
+    def _step(self, segmentation, offloaded=frozenset(), prefetch=1, ahead=False):
+        """The SimulatedStep of a plan (tf.gradients' where `segmentation` is None)."""
+        forward_pass = self._forward_pass(unforwardable_outputs(self.graph, segmentation))
+        return simulate(self._setup, forward_pass, segmentation, offloaded, prefetch, ahead)
 
     def _forward_pass(self, unforwardable):
         """The forward pass where the kernels of `unforwardable` (forwarded outputs)
