@@ -248,14 +248,15 @@ def main(argv=None):
     parser.add_argument("--jit", action="store_true", help="compile with jit_compile=True (XLA)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    gpt = args.model in SEQUENCE_MODELS
-    depth = args.depth or (6 if gpt else DEFAULTS["depth"])
-    batch = args.batch or (8 if gpt else DEFAULTS["batch"])
+    sequence = args.model in SEQUENCE_MODELS
+    depth = args.depth or (6 if sequence else DEFAULTS["depth"])
+    batch = args.batch or (8 if sequence else DEFAULTS["batch"])
     rows = compare(tuple(args.checkpoints), jobs=args.jobs, depth=depth, width=args.width,
                    batch=batch, jit_compile=args.jit, model=args.model,
                    examples=args.examples, optimizer=args.optimizer,
                    plan_batches=[None] + (args.plan_batch or []))
-    shape = f"{SEQUENCE_MODELS[args.model]}, {depth} blocks" if gpt else f"{depth} x Dense({args.width}, tanh)"
+    shape = (f"{SEQUENCE_MODELS[args.model]}, {depth} blocks" if sequence
+             else f"{depth} x Dense({args.width}, tanh)")
     print(f"Keras fit epoch, {shape}, batch {batch}, {args.examples or batch} examples, "
           f"{args.optimizer}" + (", jit_compile=True (XLA)" if args.jit else ""))
     print(format_rows(rows))
