@@ -140,27 +140,35 @@ def test_a_function_traced_inside_batch_size_is_planned_for_it():
     assert (report.unknown_dim_size, report.unknown_dim_source) == (64, "memsave.batch_size(64)")
 
 
-def test_a_plan_for_a_batch_prices_its_recomputation_as_the_static_batch_would():
-    # The cost model and the report's recomputed bytes size unknown dimensions as the
-    # planned batch too: counted as 1, the per-op overhead made a segment of [batch, 256]
-    # tanh layers look like 1.6 forward passes, and its bytes 0.06 MiB instead of 132.
-    weights = [tf.Variable(tf.random.normal([256, 256], seed=i) * 0.06) for i in range(12)]
-
+def _tanh_step_planned_for_512(weights, spec, **kwargs):
+    """(the report, the graph) of a step of tanh layers of `weights` traced for `spec`
+    inside memsave.batch_size(512), its gradients memsave's with `kwargs`."""
     def loss_of(x):
         h = x
         for w in weights:
             h = tf.tanh(h @ w)
         return tf.reduce_sum(h ** 2)
 
-    def planned(spec):
-        @tf.function(input_signature=[spec])
-        def step(x):
-            return memsave.gradients(loss_of(x), weights, checkpoints=memsave.budget(0.85))
-        with memsave.batch_size(512):
-            step.get_concrete_function()
-        return memsave.last_report()
+    @tf.function(input_signature=[spec])
+    def step(x):
+        return memsave.gradients(loss_of(x), weights, **kwargs)
+    with memsave.batch_size(512):
+        graph = step.get_concrete_function().graph
+    return memsave.last_report(), graph
 
-    unknown, static = planned(tf.TensorSpec([None, 256])), planned(tf.TensorSpec([512, 256]))
+
+def _unknown_and_static_batch(**kwargs):
+    """_tanh_step_planned_for_512 of 12 layers of 256 for a batch of None, then of 512."""
+    weights = [tf.Variable(tf.random.normal([256, 256], seed=i) * 0.06) for i in range(12)]
+    return [_tanh_step_planned_for_512(weights, tf.TensorSpec([batch, 256]), **kwargs)
+            for batch in (None, 512)]
+
+
+def test_a_plan_for_a_batch_prices_its_recomputation_as_the_static_batch_would():
+    # The cost model and the report's recomputed bytes size unknown dimensions as the
+    # planned batch too: counted as 1, the per-op overhead made a segment of [batch, 256]
+    # tanh layers look like 1.6 forward passes, and its bytes 0.06 MiB instead of 132.
+    (unknown, _), (static, _) = _unknown_and_static_batch(checkpoints=memsave.budget(0.85))
     assert unknown.unknown_dim_size == 512 and static.unknown_dims == 0
     assert unknown.recompute_flops == static.recompute_flops > 0
     assert unknown.forward_flops == static.forward_flops
@@ -173,28 +181,14 @@ def test_a_plan_for_a_batch_orders_and_offloads_as_the_static_batch_would():
     # where it decides which gradient ops run one after another and which checkpoints
     # are large enough to offload: under fit, 'memory' had no ordering edges at all, and
     # offload's min_bytes saw checkpoints 512 times too small.
-    weights = [tf.Variable(tf.random.normal([256, 256], seed=i) * 0.06) for i in range(12)]
-
-    def loss_of(x):
-        h = x
-        for w in weights:
-            h = tf.tanh(h @ w)
-        return tf.reduce_sum(h ** 2)
-
-    def built(spec, **kwargs):
-        @tf.function(input_signature=[spec])
-        def step(x):
-            return memsave.gradients(loss_of(x), weights, **kwargs)
-        with memsave.batch_size(512):
-            graph = step.get_concrete_function().graph
-        edges = sum(len(op.control_inputs) for op in graph.get_operations())
-        return memsave.last_report(), edges
+    def edges(graph):
+        return sum(len(op.control_inputs) for op in graph.get_operations())
 
     for kwargs in ({"checkpoints": "memory"},
                    {"checkpoints": "memory", "offload": memsave.Offload("/CPU:0",
                                                                         min_bytes=2 ** 18)}):
-        (unknown, unknown_edges), (static, static_edges) = (
-            built(tf.TensorSpec([None, 256]), **kwargs), built(tf.TensorSpec([512, 256]), **kwargs))
+        (unknown, unknown_graph), (static, static_graph) = _unknown_and_static_batch(**kwargs)
+        unknown_edges, static_edges = edges(unknown_graph), edges(static_graph)
         assert unknown.orders_backward and static.orders_backward
         assert unknown_edges == static_edges > 0
         assert unknown.offloaded == static.offloaded
