@@ -221,7 +221,7 @@ def test_the_memory_model_counts_offloaded_checkpoints_as_host_memory(prefetch):
 
 # -- budgets that may offload ----------------------------------------------------------
 
-def _wide_mlp(depth=16):
+def _wide_mlp(depth=12):
     """tanh(x @ w) layers of 2 MiB activations on /CPU:0, with 0.25 MiB weights: the
     activations dominate, as in a training step on an accelerator."""
     graph = tf.Graph()
@@ -259,12 +259,13 @@ def test_budget_offloads_only_where_transfers_cost_less_than_recomputation(flops
 
 
 def test_budget_with_offload_reaches_peaks_recomputation_alone_cannot():
-    # (Recomputation alone reaches 20.75 MiB of tf.gradients' 42 MiB: 0.45 is 18.9 MiB.)
+    # (12 layers, recomputation alone reaches 19.5 MiB of tf.gradients' 31.3 MiB: 0.5 is
+    # 15.6 MiB. At 16 layers the same checks took 34 s of CI's 15 minutes.)
     graph, loss, weights = _wide_mlp()
     with graph.as_default():
         with pytest.raises(memsave.MemsaveError, match="cannot be met"):
-            memsave.plan(loss, weights, checkpoints=memsave.budget(0.45))
-        budget = memsave.budget(0.45, offload="/CPU:1")
+            memsave.plan(loss, weights, checkpoints=memsave.budget(0.5))
+        budget = memsave.budget(0.5, offload="/CPU:1")
         planned = memsave.plan(loss, weights, checkpoints=budget)
         ops_before = len(graph.get_operations())
         memsave.gradients(loss, weights, checkpoints=budget)
@@ -272,12 +273,12 @@ def test_budget_with_offload_reaches_peaks_recomputation_alone_cannot():
         copies_out = [op for op in graph.get_operations()[ops_before:]
                       if op.name.endswith("offload_out")]
         with pytest.raises(memsave.MemsaveError, match=r"can reach on this graph with offload "
-                                                       r"is 19(\.\d+)? MiB"):
-            memsave.plan(loss, weights, checkpoints=memsave.budget(0.4, offload="/CPU:1"))
+                                                       r"is 17(\.\d+)? MiB"):
+            memsave.plan(loss, weights, checkpoints=memsave.budget(0.45, offload="/CPU:1"))
         # The integrations take the budget as it is, offload included.
         memsave.gradient_function(budget)(loss, weights)
         through_function = memsave.last_report()
-    assert planned.predicted_peak_bytes <= 0.45 * planned.baseline_peak_bytes
+    assert planned.predicted_peak_bytes <= 0.5 * planned.baseline_peak_bytes
     assert built.predicted_peak_bytes == planned.predicted_peak_bytes
     # The rewrite offloads exactly what the plan chose, each copied out once.
     chosen = _planned_offload(planned)
