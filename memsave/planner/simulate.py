@@ -21,10 +21,10 @@ incoming gradients, makes its temporaries and its contributions to its inputs'
 gradients (memsave.planner.timeline.Gradients). The kernel habits it knows, each
 justified where it is applied: gradients that pass an incoming buffer through or write
 into an input (StepGraph.gradient_into_output), elementwise gradients written into a
-buffer read for the last time, a convolution's im2col workspaces split between its two
-gradients, a loop's per-iteration state or its recomputing copy's carries, a nested
-call's backward function freeing what it reads early, and steps of parallel branches
-running side by side on several inter-op threads.
+buffer read for the last time (timeline.forwarded_buffer), a convolution's im2col
+workspaces split between its two gradients, a loop's per-iteration state or its
+recomputing copy's carries, a nested call's backward function freeing what it reads
+early, and steps of parallel branches running side by side on several inter-op threads.
 """
 
 import dataclasses
@@ -32,7 +32,8 @@ from typing import Optional
 
 from memsave.planner import opinfo, schedule, simulate_plan
 from memsave.planner.segments import Segmentation
-from memsave.planner.timeline import BESIDE, FOREVER, Gradients, Timeline, op_owner
+from memsave.planner.timeline import (BESIDE, FOREVER, Gradients, Timeline, forwarded_buffer,
+                                      op_owner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,18 +356,17 @@ class _StepRun:
     def _forward_gradients_into_dying(self):
         """An elementwise op's gradient writes each contribution it makes into the buffer
         of a tensor of its size that it reads for the last time (the forward tensor, as
-        TanhGrad writes into the tanh's output, else the incoming gradient): TensorFlow's
-        elementwise kernels forward an input nothing reads after them, and the
-        allocation records show no buffer of their own (a chain of tanh; exact GELU's
-        gradient, whose products take the recomputed product's and Erfc's buffers in a
-        ViT's step). Done once every step is simulated, when each buffer's last reader
-        is known: the buffer taken ends the step before, each taken once."""
+        TanhGrad writes into the tanh's output, else the incoming gradient): the rule
+        is memsave.planner.timeline.forwarded_buffer's. Done once every step is
+        simulated, when each buffer's last reader is known: the buffer taken ends the
+        step before (the contribution's own buffer holds its bytes from there), each
+        taken once."""
         timeline = self.timeline
         taken = set()
         for step, made, candidates in self.written_into:
-            for buffer in candidates:
-                if (buffer not in taken and timeline.last_read_at(buffer, step)
-                        and timeline.bytes[buffer] == timeline.bytes[made]):
-                    timeline.ends[buffer] = step - 1
-                    taken.add(buffer)
-                    break
+            buffer = forwarded_buffer(timeline, [
+                b for b in candidates
+                if b not in taken and timeline.bytes[b] == timeline.bytes[made]], step)
+            if buffer is not None:
+                timeline.ends[buffer] = step - 1
+                taken.add(buffer)

@@ -3,9 +3,13 @@ gradients arriving into them.
 
 A `Timeline` is a list of steps (labels) and a list of buffers, each alive from the
 step that makes it to the last step that reads it; its peak is the largest sum of
-live bytes over the steps. `Gradients` tracks, per tensor, the contributions to its
-gradient as they arrive and their sum once the last one has. Both know nothing of
-TensorFlow's kernels: memsave.planner.simulate decides what each step makes and reads.
+live bytes over the steps. It is the one buffer store of the memory model: the
+simulation of a training step (memsave.planner.simulate) and the replay of a
+gradient built apart (memsave.planner.function_run) both keep their buffers in one.
+`Gradients` tracks, per tensor, the contributions to its gradient as they arrive and
+their sum once the last one has. `forwarded_buffer` is the one rule for a kernel
+writing its result into an input's buffer; otherwise this module knows nothing of
+TensorFlow's kernels: its callers decide what each step makes and reads.
 
 A buffer's owner is a tensor id (the tensor's buffer, or with a gradient kind its
 gradient's) or `op_owner(op)`, a negative number, for what an op's gradient makes or
@@ -67,11 +71,16 @@ class Timeline:
         other.owners, other.pieces = list(self.owners), list(self.pieces)
         return other
 
+    def alive(self, step):
+        """Indices of the buffers alive at `step` (of any size), in order."""
+        return [buffer for buffer, (start, end) in enumerate(zip(self.starts, self.ends))
+                if start <= step <= end]
+
     def alive_at(self, step):
-        """(bytes, kind, owner) of each buffer alive at `step`, largest first."""
-        alive = [(nbytes, kind, owner) for start, end, nbytes, kind, owner
-                 in zip(self.starts, self.ends, self.bytes, self.kinds, self.owners)
-                 if start <= step <= end and nbytes]
+        """(bytes, kind, owner) of each buffer alive at `step` that holds bytes, largest
+        first."""
+        alive = [(self.bytes[b], self.kinds[b], self.owners[b]) for b in self.alive(step)
+                 if self.bytes[b]]
         return sorted(alive, key=lambda b: (-b[0], b[2]))
 
     def live_at(self, step):
@@ -95,6 +104,37 @@ class Timeline:
     def peak(self):
         """(peak bytes, step of the peak)."""
         return intervals.peak(self.starts, self.ends, self.bytes, len(self.labels))
+
+
+def forwarded_buffer(timeline, candidates, step):
+    """The buffer a kernel run at `step` writes its result into instead of allocating
+    one: the first of `candidates` that it reads for the last time and that was made
+    before it; None where there is none.
+
+    TensorFlow's elementwise kernels (cwise_ops_common.h's UnaryOp and BinaryOp, the
+    *Grad kernels of tanh, sigmoid, relu, ...) forward an input's buffer nothing reads
+    after them to their output (OpKernelContext::forward_input_or_allocate_output): the
+    allocation records show no buffer of the result's own (a chain of tanh; exact
+    GELU's gradient, whose products take the recomputed product's and Erfc's buffers in
+    a ViT's step; SiLU's gradient, which writes its result into its `1 - sigmoid`).
+    The one home of that rule: memsave.planner.simulate asks it of each elementwise
+    gradient once every step is simulated (when each buffer's last reader is known),
+    memsave.planner.function_run of each op it replays (whose readers it knows ahead).
+    Which ops forward, and which inputs fit (the result's size; its shape and type),
+    each caller says from what it knows of them.
+
+    Args:
+      timeline: the Timeline of the buffers.
+      candidates: the buffers of the inputs the kernel may write into, in the order
+        it tries them (None: an input with no buffer of its own).
+      step: the step the kernel runs at.
+    Returns:
+      One of `candidates`, or None.
+    """
+    for buffer in candidates:
+        if timeline.last_read_at(buffer, step):
+            return buffer
+    return None
 
 
 class Gradients:
