@@ -17,6 +17,7 @@ from memsave.graph import _tf_private
 from memsave.planner import costs, opinfo, schedule, search
 from memsave.planner.kernels import eigen_cpu, gpu, onednn_cpu
 from memsave.region import ForwardRegion
+from memsave.planner.timeline import OpOwner
 
 S = 256 * 256 * 4  # bytes of one [256, 256] float32 activation
 SUM_AXES = 8       # the int32 [2] constant reduce_sum reads, resident for the step
@@ -313,7 +314,7 @@ def test_a_gradients_temporaries_are_replayed_as_the_tensors_they_are():
         model = planner.MemoryModel(step)
         timeline, _ = model.simulated()
     assert [pieces for owner, pieces in zip(timeline.owners, timeline.pieces)
-            if owner == -(op + 1)] == [2]
+            if owner == OpOwner(op)] == [2]
 
 
 def test_a_custom_gradient_that_cannot_be_built_elsewhere_reads_everything():
@@ -470,7 +471,7 @@ def test_a_folded_product_of_a_checkpoint_is_held_from_the_forward_pass():
         timeline, segmentation = model.simulated([kept], read_checkpoints=True)
         assert all(softmax not in segmentation.executed(head) for head in segmentation.order)
         held = [b for b, owner in enumerate(timeline.owners)
-                if owner == -(softmax + 1) and timeline.kinds[b] == "forward"]
+                if owner == OpOwner(softmax) and timeline.kinds[b] == "forward"]
         assert [timeline.bytes[b] for b in held] == [product]
         forward_step = timeline.starts[held[0]]
         assert timeline.labels[forward_step][0] == "forward"
@@ -483,7 +484,7 @@ def test_a_folded_product_of_a_checkpoint_is_held_from_the_forward_pass():
         assert any(softmax in segmentation.executed(head) for head in segmentation.order)
         made = {timeline.kinds[b]: timeline.labels[timeline.starts[b]][0]
                 for b, owner in enumerate(timeline.owners)
-                if owner == -(softmax + 1) and timeline.bytes[b]}
+                if owner == OpOwner(softmax) and timeline.bytes[b]}
         assert made == {"recomputed": "recompute"}, made
 
 

@@ -32,8 +32,8 @@ from typing import Optional
 
 from memsave.planner import opinfo, schedule, simulate_plan
 from memsave.planner.segments import Segmentation
-from memsave.planner.timeline import (BESIDE, FOREVER, Gradients, Timeline, forwarded_buffer,
-                                      op_owner)
+from memsave.planner.timeline import (BESIDE, FOREVER, THE_STEP, Gradients, Timeline,
+                                      forwarded_buffer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +48,14 @@ class StepSetup:
       recomputed_loops: the loop ops whose recomputing copies the rewrite
         differentiates (StepGraph.recomputed_loops).
       path_ops: the ops whose gradients tf.gradients makes (REGION and KEPT ops).
+      owners: the step's memsave.planner.timeline.Owners (whose each buffer is).
     """
     graph: object
     expected: dict
     beside: object
     recomputed_loops: frozenset
     path_ops: list
+    owners: object
 
 
 @dataclasses.dataclass
@@ -124,7 +126,9 @@ class _StepRun:
         # (step, buffers a call's backward function frees early, (a buffer it writes a
         # temporary into, the buffer that temporary needs where that one lives on))
         self.call_runs = []
-        self.gradients = Gradients(self.graph, self.timeline, setup.expected, setup.beside)
+        self.owners = setup.owners
+        self.gradients = Gradients(self.graph, self.timeline, setup.expected, setup.owners,
+                                   setup.beside)
 
     def run(self, offloaded, prefetch, ahead):
         graph, timeline, gradients = self.graph, self.timeline, self.gradients
@@ -176,13 +180,12 @@ class _StepRun:
         beside, graph, timeline = self.setup.beside, self.graph, self.timeline
         if beside is None:
             return
-        owner = op_owner(len(graph.ops))  # (no op's: MemoryModel names it by its kind)
         for nbytes in beside.resident_sizes:
-            timeline.buffer(0, nbytes, BESIDE, owner, FOREVER)
+            timeline.buffer(0, nbytes, BESIDE, THE_STEP, FOREVER)
         largest = max((graph.size[t] for t, is_x in enumerate(graph.is_x) if is_x), default=0)
         if beside.update_temporaries and not beside.updates_each_gradient and largest:
             update = timeline.step(("update", None, None))
-            timeline.buffer(update, int(beside.update_temporaries * largest), BESIDE, owner,
+            timeline.buffer(update, int(beside.update_temporaries * largest), BESIDE, THE_STEP,
                             pieces=max(1, round(beside.update_temporaries)))
 
     # -- one gradient step ----------------------------------------------------------
@@ -215,7 +218,7 @@ class _StepRun:
                 converted = {buffers[tid] for tid, _ in through}
                 deferred.append((op, later, [b for b in reads if b not in converted] + incoming,
                                  temporaries_later))
-        made = ([timeline.buffer(step, temporaries, "gradients", op_owner(op),
+        made = ([timeline.buffer(step, temporaries, "gradients", self.owners.of_op[op],
                                  pieces=graph.temporary_pieces(op, temporaries))]
                 if temporaries else [])
         if beside:
@@ -251,7 +254,7 @@ class _StepRun:
         def buffer_of(origin):
             return _released_buffer(graph, op, origin, buffers, incoming, held)
         self.call_runs.append((step, [buffer_of(origin) for origin in run.released], [
-            (buffer_of(origin), timeline.buffer(step, nbytes, "gradients", op_owner(op)))
+            (buffer_of(origin), timeline.buffer(step, nbytes, "gradients", self.owners.of_op[op]))
             for origin, nbytes in run.temporaries_in_reads]))
 
     def _loop_gradient(self, op, step, buffers):
@@ -269,7 +272,7 @@ class _StepRun:
         for tid in graph.inputs[op]:
             timeline.use(buffers[tid], step)
         carries = loop.carries * loop.carried
-        timeline.buffer(step, carries, "gradients", op_owner(op), pieces=loop.carries)
+        timeline.buffer(step, carries, "gradients", self.owners.of_op[op], pieces=loop.carries)
         return loop.kept_by_copy + loop.copy_run_ahead - carries
 
     def _contribute(self, op, step, buffers, incoming, reads, held_beside, later):
