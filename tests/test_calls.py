@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import memsave
 from memsave.graph import calls
+from memsave.planner.timeline import TensorOwner
 
 from _gradcheck import assert_same_gradients, clipped_square, is_copy, stateful_copies
 
@@ -418,7 +419,8 @@ def test_the_model_frees_a_calls_incoming_gradient_before_its_backward_peak():
         for out in outputs[:-1]:  # (the last one's gradient is made by the loss's)
             call = graph.producer[graph.id_of(out)]
             gradient = [b for b, owner in enumerate(timeline.owners)
-                        if owner == graph.id_of(out) and timeline.kinds[b] == "gradients"]
+                        if owner == TensorOwner(graph.id_of(out))
+                        and timeline.kinds[b] == "gradients"]
             assert len(gradient) == 1, gradient
             step = timeline.labels.index(("backward", call, None))
             assert timeline.ends[gradient[0]] == step - 1, (

@@ -61,6 +61,13 @@ FORBIDDEN = {
     "memsave.planner.buffer_links": ["memsave.planner.graph", "memsave.planner.memory",
                                      "memsave.planner.search"],
     "memsave.planner.candidates": ["memsave.planner.search", "memsave.planner.memory"],
+    # The replay of a gradient built apart, on a Timeline: below the StepGraph that
+    # calls it, and the step's simulation.
+    "memsave.planner.function_run": ["memsave.planner.graph", "memsave.planner.simulate",
+                                     "memsave.planner.memory", "memsave.planner.search"],
+    # What each platform's kernels allocate (read by StepGraph.build): below the StepGraph.
+    "memsave.planner.kernels": ["memsave.planner.graph", "memsave.planner.memory",
+                                "memsave.planner.simulate", "memsave.planner.search"],
     # What batch fits: traces steps that call memsave; nothing of the integrations.
     "memsave.capacity": ["memsave.integrations", "memsave.calibration", "memsave.planning",
                          "memsave.build"],

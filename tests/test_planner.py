@@ -15,7 +15,9 @@ from memsave import environment as environment_lib
 from memsave import planner
 from memsave.graph import _tf_private
 from memsave.planner import costs, opinfo, schedule, search
+from memsave.planner.kernels import eigen_cpu, gpu, onednn_cpu
 from memsave.region import ForwardRegion
+from memsave.planner.timeline import OpOwner
 
 S = 256 * 256 * 4  # bytes of one [256, 256] float32 activation
 SUM_AXES = 8       # the int32 [2] constant reduce_sum reads, resident for the step
@@ -312,7 +314,7 @@ def test_a_gradients_temporaries_are_replayed_as_the_tensors_they_are():
         model = planner.MemoryModel(step)
         timeline, _ = model.simulated()
     assert [pieces for owner, pieces in zip(timeline.owners, timeline.pieces)
-            if owner == -(op + 1)] == [2]
+            if owner == OpOwner(op)] == [2]
 
 
 def test_a_custom_gradient_that_cannot_be_built_elsewhere_reads_everything():
@@ -469,7 +471,7 @@ def test_a_folded_product_of_a_checkpoint_is_held_from_the_forward_pass():
         timeline, segmentation = model.simulated([kept], read_checkpoints=True)
         assert all(softmax not in segmentation.executed(head) for head in segmentation.order)
         held = [b for b, owner in enumerate(timeline.owners)
-                if owner == -(softmax + 1) and timeline.kinds[b] == "forward"]
+                if owner == OpOwner(softmax) and timeline.kinds[b] == "forward"]
         assert [timeline.bytes[b] for b in held] == [product]
         forward_step = timeline.starts[held[0]]
         assert timeline.labels[forward_step][0] == "forward"
@@ -482,7 +484,7 @@ def test_a_folded_product_of_a_checkpoint_is_held_from_the_forward_pass():
         assert any(softmax in segmentation.executed(head) for head in segmentation.order)
         made = {timeline.kinds[b]: timeline.labels[timeline.starts[b]][0]
                 for b, owner in enumerate(timeline.owners)
-                if owner == -(softmax + 1) and timeline.bytes[b]}
+                if owner == OpOwner(softmax) and timeline.bytes[b]}
         assert made == {"recomputed": "recompute"}, made
 
 
@@ -1107,16 +1109,16 @@ def test_conv_gradient_workspaces_follow_tensorflows_cpu_kernels():
         # Conv2DBackpropFilter's im2col buffer is [87, 256, 144] and
         # Conv2DBackpropInput's [159, 256, 144] (a 30 MiB working set each).
         op = _conv([32, 32, 32, 16], [3, 3, 16, 32], stride=2)
-        for_filter, for_input = opinfo.conv_gradient_workspace(op, [0, 1], threads=2)
+        for_filter, for_input = eigen_cpu.conv_gradient_workspace(op, [0, 1], threads=2)
         work = 256 * 144 + 256 * 32 + 144 * 32
         assert for_filter == -(-(30 << 18) // work) * 256 * 144 * 4
         assert for_input == 159 * 256 * 144 * 4
-        assert opinfo.conv_gradient_workspace(op, [1], threads=2) == (for_filter, 0)
+        assert eigen_cpu.conv_gradient_workspace(op, [1], threads=2) == (for_filter, 0)
         # A single image: the input gradient takes one image at a time.
         single = _conv([1, 32, 32, 16], [3, 3, 16, 32], stride=2)
-        assert opinfo.conv_gradient_workspace(single, [0], threads=2) == (0, 256 * 144 * 4)
+        assert eigen_cpu.conv_gradient_workspace(single, [0], threads=2) == (0, 256 * 144 * 4)
         unknown = _conv([None, 32, 32, 16], [3, 3, 16, 32])
-        assert opinfo.conv_gradient_workspace(unknown, [0, 1], threads=2) == (0, 0)
+        assert eigen_cpu.conv_gradient_workspace(unknown, [0, 1], threads=2) == (0, 0)
 
 
 def _conv_chain_model(monkeypatch, onednn):
@@ -1214,26 +1216,26 @@ def test_a_batch_norms_third_reserve_space_is_sized_by_the_kernels_on_this_machi
     assert [step.size[t] for t in reserve] == [allocated[op.name] for op in norms]
     assert all(t in step.workspaces for t in reserve)
     assert reserve[1] in step.small
-    fused = opinfo.ONEDNN if _tf_private.onednn_enabled() else None
-    assert (reserve[0] in step.small) == (fused is None)
+    fused = _tf_private.onednn_enabled()
+    assert (reserve[0] in step.small) == (not fused)
 
 
 def test_reserve_space_rules_per_kernel():
     with tf.Graph().as_default():
         _, (with_relu, with_tanh), _ = _batch_norms([tf.nn.relu, tf.tanh])
         elements = 8 * 16 * 16 * 32
-        assert opinfo.workspace_bytes(with_relu, 5, opinfo.ONEDNN) == elements // 2
-        assert opinfo.workspace_bytes(with_tanh, 5, opinfo.ONEDNN) == 0
-        assert opinfo.workspace_bytes(with_relu, 5, opinfo.EIGEN) == 4
-        assert opinfo.workspace_bytes(with_relu, 5, None) is None  # a GPU's cuDNN
-        assert opinfo.workspace_bytes(with_relu, 4, opinfo.ONEDNN) is None
+        assert onednn_cpu.workspace_bytes(with_relu, 5) == elements // 2
+        assert onednn_cpu.workspace_bytes(with_tanh, 5) == 0
+        assert eigen_cpu.workspace_bytes(with_relu, 5) == 4
+        assert gpu.workspace_bytes(with_relu, 5) is None  # cuDNN's
+        assert onednn_cpu.workspace_bytes(with_relu, 4) is None
         # Read by a second op, or waited for, it is not fused with its ReLU.
         tf.identity(with_relu.outputs[0])
-        assert opinfo.workspace_bytes(with_relu, 5, opinfo.ONEDNN) == 0
+        assert onednn_cpu.workspace_bytes(with_relu, 5) == 0
         _, (waited,), _ = _batch_norms([tf.nn.relu])
         with tf.control_dependencies([waited]):
             tf.no_op()
-        assert opinfo.workspace_bytes(waited, 5, opinfo.ONEDNN) == 0
+        assert onednn_cpu.workspace_bytes(waited, 5) == 0
 
 
 def test_unknown_dimensions_are_counted_as_the_size_the_user_gives():

@@ -405,7 +405,7 @@ def test_gradients_read_kept_and_small_tensors_from_the_forward_pass(dropped, ac
     writes into no buffer the activation frees; under `h * h` it would, where the
     activation is recomputed rather than kept). A batch norm's copy still runs where its
     third reserve space is the mask of the ReLU Grappler fuses it with
-    (opinfo.workspace_bytes: half a byte per element with oneDNN), not where it is empty
+    (kernels.onednn_cpu.workspace_bytes: half a byte per element), not where it is empty
     (read by a Tanh). The copies that do run are the ones the memory model predicts
     (Segmentation.executed), and the gradients are tf.gradients'."""
     _models.reset_variables()

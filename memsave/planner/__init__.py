@@ -4,7 +4,10 @@ searches that choose checkpoints with them.
 - graph.py:    the step compiled to integer lists (StepGraph; op_kinds.py, buffer_links.py
                and deferral.py record how ops take part, shared buffers, gradients
                made last);
-- opinfo.py:   per op type, what its gradient reads, and its FLOPs;
+- opinfo.py:   per op type, what its gradient reads, and its FLOPs (the facts are in
+               op_facts.py);
+- kernels/:    per platform (Eigen or oneDNN on a CPU, cuDNN on a GPU), the workspaces
+               its kernels allocate that the graph does not show;
 - costs.py:    what running an op again costs (memsave.calibrate() measures it);
 - problem.py:  what one call plans for (Problem: region, environment, memory model);
 - segments.py: which segment recomputes which op (shared by the rewrite);

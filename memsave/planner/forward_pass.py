@@ -9,7 +9,7 @@ continues on a copy of its timeline.
 import dataclasses
 
 from memsave.planner.graph import RESIDENT
-from memsave.planner.timeline import FOREVER, Timeline, op_owner
+from memsave.planner.timeline import FOREVER, Timeline
 
 
 @dataclasses.dataclass
@@ -51,9 +51,10 @@ def unforwardable_outputs(graph, segmentation):
     return frozenset(unforwardable)
 
 
-def run_forward(graph, unforwardable):
+def run_forward(graph, unforwardable, owners):
     """Runs every forward op of `graph`, where the kernels of `unforwardable`
-    (forwarded outputs) allocate their outputs. Returns a ForwardPass."""
+    (forwarded outputs) allocate their outputs; `owners`: the step's
+    memsave.planner.timeline.Owners. Returns a ForwardPass."""
     timeline = Timeline()
     run = ForwardPass(timeline, [None] * len(graph.tensors), {}, {}, {})
     buffers = run.buffers
@@ -68,14 +69,16 @@ def run_forward(graph, unforwardable):
             else:
                 buffers[tid] = timeline.buffer(
                     step, graph.size[tid], "resident" if kind == RESIDENT else "forward",
-                    tid, FOREVER if kind == RESIDENT else None, graph.pieces.get(tid, 1))
+                    owners.of_tensor[tid], FOREVER if kind == RESIDENT else None,
+                    graph.pieces.get(tid, 1))
         loop = graph.loops.get(op)
         if loop is not None:
             run.loop_buffers[op] = timeline.buffer(
-                step, loop.kept_by_tensorflow, "loop", op_owner(op), pieces=loop.iterations)
+                step, loop.kept_by_tensorflow, "loop", owners.of_op[op], pieces=loop.iterations)
         if op in graph.held:
-            run.held_buffers[op] = timeline.buffer(step, graph.held[op], "forward", op_owner(op))
+            run.held_buffers[op] = timeline.buffer(step, graph.held[op], "forward",
+                                                   owners.of_op[op])
         if op in graph.folded:
             run.folded_buffers[op] = timeline.buffer(step, graph.folded[op], "forward",
-                                                     op_owner(op))
+                                                     owners.of_op[op])
     return run

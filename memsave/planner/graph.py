@@ -17,7 +17,7 @@ from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
 from memsave.planner import (buffer_links, call_gradients, costs, custom_gradients, deferral,
-                             opinfo, shapes, xla_buffers)
+                             kernels, opinfo, shapes, xla_buffers)
 from memsave.planner.loops import list_length, loop_memory, recomputed, tensor_bytes
 from memsave.planner.op_kinds import FORWARD, KEPT, REGION, RESIDENT
 
@@ -63,14 +63,14 @@ class StepGraph:
         rewrite makes last because they make a deferred gradient: a convolution's
         filter gradient of a weight read through a Cast (deferral._defer_through).
       conv_workspaces: op id -> (filter gradient's, input gradient's) im2col bytes
-        of a convolution's gradient (opinfo.conv_gradient_workspace), where any.
+        of a convolution's gradient (the kernels' conv_gradient_workspace), where any.
       unknown_dims: names of floating tensors with unknown dimensions, whose size
         assumed `unknown_dim_size` for them.
       largest_bytes: the region's largest tensor.
       small_bytes: 1/1024 of it.
       workspaces: ids of the tensors whose size the graph does not give but the
-        kernels on this machine decide (opinfo.workspace_bytes: a batch norm's third
-        reserve space); `size` holds that size.
+        kernels on this machine decide (the kernels' workspace_bytes: a batch norm's
+        third reserve space); `size` holds that size.
       custom_gradient_ops: ids of the ops whose gradient is not their type's own (a
         tf.custom_gradient's IdentityN): what it reads, where it sends gradients and
         its temporaries come from building it once in a scratch graph
@@ -99,6 +99,8 @@ class StepGraph:
       loop_mode: the memsave.recompute_loops mode the step was built under.
       xla_cpu: whether XLA programs run on a CPU (no GPU): a jit-compiled call's gradient
         then holds the temporaries its program hides (memsave.planner.xla_buffers).
+      kernels: the profile of the kernels that run the step (memsave.planner.kernels,
+        from Environment.kernels): the workspaces they allocate.
       conv_threads: intra-op threads of TensorFlow's own CPU convolution gradients, whose
         im2col buffers count among their temporaries (Environment.conv_threads), or 0.
       inter_op_threads: how many gradient steps run side by side where they do not wait
@@ -125,6 +127,7 @@ class StepGraph:
         self.op_id = {}
         self.unknown_dims = []
         self.unknown_dim_size = 1
+        self.kernels = kernels.gpu  # (sizes no workspace; build sets the step's)
         self.conv_threads = 0
         self.inter_op_threads = 1
         self.rewrite_grad_temporaries = {}
@@ -168,6 +171,7 @@ class StepGraph:
             environment = Environment.read(region.ys[0].graph)
         step = cls()
         step.loop_mode = environment.recompute_loops
+        step.kernels = kernels.profile(environment.kernels)
         step.conv_threads = environment.conv_threads
         step.inter_op_threads = environment.inter_op_threads
         step.xla_cpu = environment.kernels is not None  # (no GPU: XLA compiles for the CPU)
@@ -183,8 +187,8 @@ class StepGraph:
                 step.loops[step.op_id[op]] = loop_memory(
                     op, unknown_dim_size, stopped=op in region.stopped_ops,
                     under_xla=environment.under_xla, chunk=environment.loop_chunk)
-        # (Under XLA, whose kernels make workspaces of their own, none is modelled.)
-        step._size_workspaces(None if environment.under_xla else environment.kernels)
+        if not environment.under_xla:  # (XLA's kernels make workspaces of their own)
+            step._size_workspaces()
         step._link(region, environment.folds_constants)
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
         step.largest_bytes = max((step.size[t] for t in region_tensors), default=0)
@@ -227,10 +231,10 @@ class StepGraph:
         self.grad_temporaries.append(0)
         self.cost.append(self.costs.of(op, self.unknown_dim_size) if kind == REGION else 0)
 
-    def _size_workspaces(self, kernels):
+    def _size_workspaces(self):
         for tid, t in enumerate(self.tensors):
             if t.shape.rank is None:
-                nbytes = opinfo.workspace_bytes(t.op, t.value_index, kernels)
+                nbytes = self.kernels.workspace_bytes(t.op, t.value_index)
                 if nbytes is not None:
                     self.size[tid] = nbytes
                     self.workspaces.add(tid)
@@ -376,7 +380,7 @@ class StepGraph:
         if self.xla_cpu:
             self.grad_temporaries[index] += xla_buffers.gradient_temporary_bytes(op)
         if self.conv_threads:
-            for_filter, for_input = opinfo.conv_gradient_workspace(
+            for_filter, for_input = self.kernels.conv_gradient_workspace(
                 op, differentiated, self.conv_threads)
             if for_filter or for_input:
                 self.conv_workspaces[index] = (for_filter, for_input)

@@ -1,7 +1,8 @@
 """The most bytes alive at once among buffers that each live over a range of steps.
 
-Shared by the memory model's timeline (memsave.planner.timeline) and the probe of a
-custom gradient's temporaries (memsave.planner.custom_gradients).
+Read through the memory model's Timeline (memsave.planner.timeline), the one buffer
+store of the step's simulation and of a gradient's replay apart (function_run), and by
+MemoryModel.curve for the live bytes of every step.
 """
 
 

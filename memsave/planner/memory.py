@@ -32,7 +32,8 @@ from memsave.planner.forward_pass import run_forward, unforwardable_outputs
 from memsave.planner.graph import KEPT, REGION
 from memsave.planner.segments import Segmentation
 from memsave.planner.simulate import StepSetup, simulate
-from memsave.planner.timeline import BESIDE, FOREVER, contribution_counts, owner_op
+from memsave.planner.timeline import (BESIDE, FOREVER, OpOwner, Owners, TensorOwner,
+                                      contribution_counts)
 
 _BASELINE = "baseline"  # the prediction key of plain tf.gradients
 
@@ -141,7 +142,7 @@ class MemoryModel:
         # a kernel would write into (unforwardable_outputs): simulated once per such set.
         self._forward_passes = {}  # frozenset of unforwardable outputs -> ForwardPass
         self._setup = StepSetup(graph, expected, beside, frozenset(graph.recomputed_loops()),
-                                self.path_ops)
+                                self.path_ops, Owners(graph))
 
     # -- public -------------------------------------------------------------------
     def baseline(self, allocator=False):
@@ -294,8 +295,8 @@ class MemoryModel:
         allocate their outputs: simulated once per set, copied per plan."""
         forward_pass = self._forward_passes.get(unforwardable)
         if forward_pass is None:
-            forward_pass = self._forward_passes[unforwardable] = run_forward(self.graph,
-                                                                             unforwardable)
+            forward_pass = self._forward_passes[unforwardable] = run_forward(
+                self.graph, unforwardable, self._setup.owners)
         return forward_pass
 
     def _prediction_of(self, step, offloaded, flops_per_byte, ahead, replay):
@@ -350,20 +351,25 @@ class MemoryModel:
                 for nbytes, kind, owner in timeline.alive_at(step)[:top]]
 
     def _owner_name(self, owner, kind):
-        graph = self.graph
-        if kind == BESIDE and owner >= 0:
-            return f"the update of {graph.tensors[owner].name} ({self.beside.source})"
-        if kind == BESIDE:
+        """What a buffer of `kind` owned by `owner` (memsave.planner.timeline) holds,
+        in words."""
+        if isinstance(owner, OpOwner):
+            return self._op_buffer_name(self.graph.ops[owner.op].name, kind)
+        if not isinstance(owner, TensorOwner):  # (the step's own: THE_STEP)
             return f"held beside the gradients: {self.beside.source}"
-        if owner < 0 and kind == "loop":
-            return ("what the gradient of loop "
-                    f"{graph.ops[owner_op(owner)].name} keeps per iteration")
-        if owner < 0 and kind in ("forward", "recomputed"):
-            return f"what the gradient of {graph.ops[owner_op(owner)].name} keeps of its run"
-        if owner < 0:
-            return f"temporaries of the gradient of {graph.ops[owner_op(owner)].name}"
-        name = graph.tensors[owner].name
+        name = self.graph.tensors[owner.tensor].name
+        if kind == BESIDE:
+            return f"the update of {name} ({self.beside.source})"
         return f"gradient of {name}" if kind.startswith("gradients") else name
+
+    @staticmethod
+    def _op_buffer_name(name, kind):
+        """What a buffer of `kind` that op `name`'s gradient makes or keeps holds."""
+        if kind == "loop":
+            return f"what the gradient of loop {name} keeps per iteration"
+        if kind in ("forward", "recomputed"):
+            return f"what the gradient of {name} keeps of its run"
+        return f"temporaries of the gradient of {name}"
 
 
 def _plan_key(checkpoints, offloaded=(), prefetch=1, flops_per_byte=0, read_checkpoints=False,

@@ -1,18 +1,16 @@
 """What the planner asks of each op type: what its gradient reads, which buffers its
-kernels share, what temporaries and workspaces its gradient makes, and how much it
-costs to run again.
+kernels share, what temporaries its gradient makes, and how much it costs to run again.
 
 The facts themselves are in memsave.planner.op_facts, one record per op type; this
 module answers questions about ops from them (and from an op's shapes and attributes).
 An op type not listed there is assumed to read all its inputs and outputs, which can
-only over-predict memory.
+only over-predict memory. What one platform's kernels allocate besides (workspaces)
+is in memsave.planner.kernels.
 """
 
 import functools
 import math
 
-from memsave.environment import EIGEN, ONEDNN  # noqa: F401 (named once, there)
-from memsave.graph import _tf_private
 from memsave.planner.op_facts import ALL, by_type, facts_of, types_where
 from memsave.region import sized_dims
 
@@ -117,97 +115,26 @@ def gradient_temporaries(op_type, input_bytes, output_bytes, differentiated):
     return 0, 1
 
 
-# TensorFlow's own CPU kernels for the gradients of Conv2D (used when oneDNN is off)
-# im2col into a temporary sized to fill a 30 MiB "L3 cache" working set
-# (tensorflow/core/kernels/conv_grad_{filter,input}_ops.cc), whatever the batch.
-_EIGEN_WORKING_SET = 30 << 20
-_EIGEN_L2 = 256 << 10
-
-
-def conv_gradient_workspace(op, differentiated, threads):
-    """Bytes of the im2col buffers TensorFlow's CPU kernels allocate for the gradients
-    of a Conv2D `op` (NHWC, static shapes); (0, 0) where that does not apply.
-
-    Args:
-      op: a Conv2D op.
-      differentiated: indices of its inputs that receive a gradient (0: the input,
-        1: the filter).
-      threads: the CPU device's intra-op threads.
-    Returns:
-      (bytes of the filter gradient's buffer, bytes of the input gradient's buffer).
-    """
-    if op.type != "Conv2D" or _attr(op, "data_format") not in (None, "NHWC"):
-        return 0, 0
-    x, kernel, y = op.inputs[0].shape, op.inputs[1].shape, op.outputs[0].shape
-    if not (x.is_fully_defined() and kernel.is_fully_defined() and y.is_fully_defined()):
-        return 0, 0
-    batch = x[0]
-    dtype_size = op.outputs[0].dtype.size
-    target = _EIGEN_WORKING_SET // dtype_size
-    image = y[1] * y[2]                        # output positions per image
-    window = kernel[0] * kernel[1] * kernel[2]  # filter_total_size
-    depth = kernel[3]
-    work = image * window + image * depth + window * depth
-    for_filter = for_input = 0
-    if 1 in differentiated:  # Conv2DBackpropFilter: always sharded
-        for_filter = -(-target // work) * image * window * dtype_size
-    if 0 in differentiated:  # Conv2DBackpropInput: one image at a time when work is large
-        parallel = batch == 1 or work // max(threads, 1) >= _EIGEN_L2 // dtype_size
-        shard = 1 if parallel else -(-target // work)
-        for_input = shard * image * window * dtype_size
-    return for_filter, for_input
-
-
 # FusedBatchNormV3's third reserve space (output 5) is a kernel's workspace: the graph
-# gives it no shape, the kernel chooses its size (measured with TensorFlow 2.16 and
-# 2.21, float32):
-# - oneDNN on a CPU: empty, but where Grappler's remapper fuses the batch norm with the
-#   Relu that alone reads its output (_MklNativeFusedBatchNormEx), the ReLU's mask: half
-#   a byte per element of the output;
-# - TensorFlow's own CPU kernel (oneDNN off): one float.
-# On a GPU it is cuDNN's reserve space, whose size is not known here.
+# gives it no shape, the kernel chooses its size (memsave.planner.kernels: one profile
+# per platform says how large).
 _RESERVE_SPACE_3 = 5
 
 
-def workspace_bytes(op, index, kernels):
-    """Bytes of output `index` of `op` where it is a kernel's workspace of a size the
-    graph does not give; None where that is not known.
-
-    Args:
-      op: a tf.Operation.
-      index: one of its outputs.
-      kernels: which CPU kernels run the step: ONEDNN, EIGEN, or None (a GPU, or not
-        known).
-    """
-    if op.type != "FusedBatchNormV3" or index != _RESERVE_SPACE_3 or kernels is None:
-        return None
-    if kernels == EIGEN:
-        return op.outputs[index].dtype.size
-    if _fused_with_relu(op):
-        return _elements(op.outputs[0].shape.as_list()) // 2
-    return 0
+def is_reserve_space_3(op, index):
+    """Whether output `index` of `op` is a batch norm's third reserve space."""
+    return op.type == "FusedBatchNormV3" and index == _RESERVE_SPACE_3
 
 
-def _fused_with_relu(op):
-    """Whether Grappler's remapper fuses this batch norm with the Relu after it: in
-    training, float32 or bfloat16, output 0 read by that Relu alone, and neither op
-    waiting for or waited on through control edges."""
-    readers = op.outputs[0].consumers()
-    if (not _attr(op, "is_training")
-            or getattr(_attr(op, "T"), "name", None) not in ("float32", "bfloat16")
-            or len(readers) != 1 or readers[0].type != "Relu"):
-        return False
-    return not any(o.control_inputs or _tf_private.control_outputs(o) for o in (op, readers[0]))
-
-
-def _elements(shape):
+def elements(shape):
+    """Elements of a shape (a list; unknown dimensions count as 1)."""
     return math.prod(1 if d is None else d for d in shape)
 
 
 def output_elements(op, unknown_dim_size=1):
     """Elements of `op`'s outputs (unknown dimensions count as `unknown_dim_size`)."""
     dims = (sized_dims(t, unknown_dim_size) for t in op.outputs)
-    return sum(_elements(d) for d in dims if d is not None)
+    return sum(elements(d) for d in dims if d is not None)
 
 
 def flops(op, unknown_dim_size=1):
@@ -220,17 +147,17 @@ def flops(op, unknown_dim_size=1):
     out_elements = output_elements(op, unknown_dim_size)
     if op.type in MATMUL_LIKE and op.inputs and op.inputs[0].shape.rank:
         a = sized_dims(op.inputs[0], unknown_dim_size)
-        transpose_a = _attr(op, "transpose_a") or _attr(op, "adj_x")
+        transpose_a = op_attr(op, "transpose_a") or op_attr(op, "adj_x")
         inner = a[-2] if transpose_a else a[-1]
         return 2 * out_elements * (inner or 1)
     if op.type in CONV_LIKE and len(op.inputs) > 1 and op.inputs[1].shape.rank:
         kernel = op.inputs[1].shape.as_list()
         if op.type == "DepthwiseConv2dNative":
-            window = _elements(kernel[:-2])
+            window = elements(kernel[:-2])
         elif op.type == "Conv2DBackpropInput":
-            window = _elements(kernel[:-2]) * (kernel[-1] or 1)
+            window = elements(kernel[:-2]) * (kernel[-1] or 1)
         else:
-            window = _elements(kernel[:-1])
+            window = elements(kernel[:-1])
         return 2 * out_elements * window
     if op.type == "Einsum":
         return _einsum_flops(op, out_elements, unknown_dim_size)
@@ -239,7 +166,7 @@ def flops(op, unknown_dim_size=1):
 
 def _einsum_flops(op, out_elements, unknown_dim_size):
     """2 x the product of every distinct index's size (a contraction's multiply-adds)."""
-    equation = _attr(op, "equation")
+    equation = op_attr(op, "equation")
     if not equation or "->" not in equation or "." in equation:
         return out_elements
     operands = equation.split("->")[0].split(",")
@@ -253,7 +180,8 @@ def _einsum_flops(op, out_elements, unknown_dim_size):
     return 2 * math.prod(sizes.values())
 
 
-def _attr(op, name):
+def op_attr(op, name):
+    """Attribute `name` of `op` (bytes decoded), or None where it has none."""
     try:
         value = op.get_attr(name)
     except ValueError:

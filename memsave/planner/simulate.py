@@ -21,10 +21,10 @@ incoming gradients, makes its temporaries and its contributions to its inputs'
 gradients (memsave.planner.timeline.Gradients). The kernel habits it knows, each
 justified where it is applied: gradients that pass an incoming buffer through or write
 into an input (StepGraph.gradient_into_output), elementwise gradients written into a
-buffer read for the last time, a convolution's im2col workspaces split between its two
-gradients, a loop's per-iteration state or its recomputing copy's carries, a nested
-call's backward function freeing what it reads early, and steps of parallel branches
-running side by side on several inter-op threads.
+buffer read for the last time (timeline.forwarded_buffer), a convolution's im2col
+workspaces split between its two gradients, a loop's per-iteration state or its
+recomputing copy's carries, a nested call's backward function freeing what it reads
+early, and steps of parallel branches running side by side on several inter-op threads.
 """
 
 import dataclasses
@@ -32,7 +32,8 @@ from typing import Optional
 
 from memsave.planner import opinfo, schedule, simulate_plan
 from memsave.planner.segments import Segmentation
-from memsave.planner.timeline import BESIDE, FOREVER, Gradients, Timeline, op_owner
+from memsave.planner.timeline import (BESIDE, FOREVER, THE_STEP, Gradients, Timeline,
+                                      forwarded_buffer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +48,14 @@ class StepSetup:
       recomputed_loops: the loop ops whose recomputing copies the rewrite
         differentiates (StepGraph.recomputed_loops).
       path_ops: the ops whose gradients tf.gradients makes (REGION and KEPT ops).
+      owners: the step's memsave.planner.timeline.Owners (whose each buffer is).
     """
     graph: object
     expected: dict
     beside: object
     recomputed_loops: frozenset
     path_ops: list
+    owners: object
 
 
 @dataclasses.dataclass
@@ -123,7 +126,9 @@ class _StepRun:
         # (step, buffers a call's backward function frees early, (a buffer it writes a
         # temporary into, the buffer that temporary needs where that one lives on))
         self.call_runs = []
-        self.gradients = Gradients(self.graph, self.timeline, setup.expected, setup.beside)
+        self.owners = setup.owners
+        self.gradients = Gradients(self.graph, self.timeline, setup.expected, setup.owners,
+                                   setup.beside)
 
     def run(self, offloaded, prefetch, ahead):
         graph, timeline, gradients = self.graph, self.timeline, self.gradients
@@ -175,13 +180,12 @@ class _StepRun:
         beside, graph, timeline = self.setup.beside, self.graph, self.timeline
         if beside is None:
             return
-        owner = op_owner(len(graph.ops))  # (no op's: MemoryModel names it by its kind)
         for nbytes in beside.resident_sizes:
-            timeline.buffer(0, nbytes, BESIDE, owner, FOREVER)
+            timeline.buffer(0, nbytes, BESIDE, THE_STEP, FOREVER)
         largest = max((graph.size[t] for t, is_x in enumerate(graph.is_x) if is_x), default=0)
         if beside.update_temporaries and not beside.updates_each_gradient and largest:
             update = timeline.step(("update", None, None))
-            timeline.buffer(update, int(beside.update_temporaries * largest), BESIDE, owner,
+            timeline.buffer(update, int(beside.update_temporaries * largest), BESIDE, THE_STEP,
                             pieces=max(1, round(beside.update_temporaries)))
 
     # -- one gradient step ----------------------------------------------------------
@@ -214,7 +218,7 @@ class _StepRun:
                 converted = {buffers[tid] for tid, _ in through}
                 deferred.append((op, later, [b for b in reads if b not in converted] + incoming,
                                  temporaries_later))
-        made = ([timeline.buffer(step, temporaries, "gradients", op_owner(op),
+        made = ([timeline.buffer(step, temporaries, "gradients", self.owners.of_op[op],
                                  pieces=graph.temporary_pieces(op, temporaries))]
                 if temporaries else [])
         if beside:
@@ -250,7 +254,7 @@ class _StepRun:
         def buffer_of(origin):
             return _released_buffer(graph, op, origin, buffers, incoming, held)
         self.call_runs.append((step, [buffer_of(origin) for origin in run.released], [
-            (buffer_of(origin), timeline.buffer(step, nbytes, "gradients", op_owner(op)))
+            (buffer_of(origin), timeline.buffer(step, nbytes, "gradients", self.owners.of_op[op]))
             for origin, nbytes in run.temporaries_in_reads]))
 
     def _loop_gradient(self, op, step, buffers):
@@ -268,7 +272,7 @@ class _StepRun:
         for tid in graph.inputs[op]:
             timeline.use(buffers[tid], step)
         carries = loop.carries * loop.carried
-        timeline.buffer(step, carries, "gradients", op_owner(op), pieces=loop.carries)
+        timeline.buffer(step, carries, "gradients", self.owners.of_op[op], pieces=loop.carries)
         return loop.kept_by_copy + loop.copy_run_ahead - carries
 
     def _contribute(self, op, step, buffers, incoming, reads, held_beside, later):
@@ -355,18 +359,17 @@ class _StepRun:
     def _forward_gradients_into_dying(self):
         """An elementwise op's gradient writes each contribution it makes into the buffer
         of a tensor of its size that it reads for the last time (the forward tensor, as
-        TanhGrad writes into the tanh's output, else the incoming gradient): TensorFlow's
-        elementwise kernels forward an input nothing reads after them, and the
-        allocation records show no buffer of their own (a chain of tanh; exact GELU's
-        gradient, whose products take the recomputed product's and Erfc's buffers in a
-        ViT's step). Done once every step is simulated, when each buffer's last reader
-        is known: the buffer taken ends the step before, each taken once."""
+        TanhGrad writes into the tanh's output, else the incoming gradient): the rule
+        is memsave.planner.timeline.forwarded_buffer's. Done once every step is
+        simulated, when each buffer's last reader is known: the buffer taken ends the
+        step before (the contribution's own buffer holds its bytes from there), each
+        taken once."""
         timeline = self.timeline
         taken = set()
         for step, made, candidates in self.written_into:
-            for buffer in candidates:
-                if (buffer not in taken and timeline.last_read_at(buffer, step)
-                        and timeline.bytes[buffer] == timeline.bytes[made]):
-                    timeline.ends[buffer] = step - 1
-                    taken.add(buffer)
-                    break
+            buffer = forwarded_buffer(timeline, [
+                b for b in candidates
+                if b not in taken and timeline.bytes[b] == timeline.bytes[made]], step)
+            if buffer is not None:
+                timeline.ends[buffer] = step - 1
+                taken.add(buffer)

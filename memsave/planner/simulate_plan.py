@@ -13,7 +13,6 @@ and which buffers they read.
 import dataclasses
 
 from memsave.planner import schedule
-from memsave.planner.timeline import op_owner
 
 
 @dataclasses.dataclass
@@ -113,7 +112,7 @@ def _deferred_steps(run, deferred):
         until = step
         if temporaries:
             until = working[min(position[step] + side_by_side, len(working)) - 1]
-            timeline.buffer(step, temporaries, "gradients", op_owner(op), end=until)
+            timeline.buffer(step, temporaries, "gradients", run.owners.of_op[op], end=until)
         for buffer in held:
             timeline.use(buffer, until)
         for tid in graph.outputs[op]:  # (made here where deferred through op)
@@ -131,10 +130,11 @@ def _recompute(run, index, offloaded, starts, prefetch, back):
     executed = segmentation.executed(segmentation.order[index])
     local = Recomputed()
     tensors = local.tensors
+    of_tensor, of_op = run.owners.of_tensor, run.owners.of_op
     for tid in _outside_reads(graph, ops, executed, offloaded):
         back.append(tid)
         start = starts[min(max(index - prefetch, 0), len(starts) - 1)]
-        tensors[tid] = timeline.buffer(start, graph.size[tid], "offloaded back", tid)
+        tensors[tid] = timeline.buffer(start, graph.size[tid], "offloaded back", of_tensor[tid])
     cost = graph.costs.segment_overhead
     narrowed = segmentation.reads_forward.narrowed
     for tid in _outside_reads(graph, ops, executed, narrowed):
@@ -142,7 +142,7 @@ def _recompute(run, index, offloaded, starts, prefetch, back):
         cost += graph.cost[cast] + graph.costs.op_overhead
         step = timeline.step(("recompute", cast, index))
         timeline.use(forward[narrowed[tid]], step)
-        tensors[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid)
+        tensors[tid] = timeline.buffer(step, graph.size[tid], "recomputed", of_tensor[tid])
     for op in ops:
         if op not in executed:
             continue
@@ -155,13 +155,12 @@ def _recompute(run, index, offloaded, starts, prefetch, back):
             if source >= 0 and (source in tensors or tid not in graph.forwarded):
                 tensors[tid] = tensors.get(source, forward[source])
             else:
-                tensors[tid] = timeline.buffer(step, graph.size[tid], "recomputed", tid,
-                                               pieces=graph.pieces.get(tid, 1))
+                tensors[tid] = timeline.buffer(step, graph.size[tid], "recomputed",
+                                               of_tensor[tid], pieces=graph.pieces.get(tid, 1))
         if op in graph.folded:
-            local.folded[op] = timeline.buffer(step, graph.folded[op], "recomputed",
-                                               op_owner(op))
+            local.folded[op] = timeline.buffer(step, graph.folded[op], "recomputed", of_op[op])
         if op in graph.held:
-            local.held[op] = timeline.buffer(step, graph.held[op], "recomputed", op_owner(op))
+            local.held[op] = timeline.buffer(step, graph.held[op], "recomputed", of_op[op])
     return local, cost
 
 
