@@ -1,21 +1,25 @@
-"""Peak memory of Keras 3 `model.fit`: plain Keras against memsave.keras and against
+"""Peak memory of Keras `model.fit`: plain Keras against memsave.keras and against
 plain Keras under `memsave.patch` (its fit's tf.GradientTape computed by memsave).
 
     python benchmarks/keras_fit_memory.py                      # 24 Dense layers, batch 2048
     python benchmarks/keras_fit_memory.py --depth 48 --width 512 --checkpoints memory speed
     python benchmarks/keras_fit_memory.py --model gpt --examples 17 --optimizer adam --plan-batch 1
     python benchmarks/keras_fit_memory.py --model gpt2 --examples 17 --optimizer adam
+    python benchmarks/keras_fit_memory.py --keras 2 --model cnn --examples 65 --optimizer adam
 
 Each configuration runs in its own process (`memsave.measure.run_isolated`, BFC
 allocator on): build the model (a deep tanh MLP, or benchmarks.models' GPT from Keras
-layers; seeded), compile with SGD or Adam (jit_compile=False in all, so all run the same
+layers; a conv-BN-ReLU residual CNN; seeded), compile with SGD or Adam (jit_compile=False in all, so all run the same
 executor; --jit: True in all, so all are compiled by XLA), fit one epoch to trace and
 warm up, then fit one more epoch while the allocator records its peak. An epoch is one
 batch by default, which Keras traces with a static batch; `--examples 2*batch+1` leaves
 a partial last batch, and Keras traces its step with a batch of None, as most fits do:
 memsave then plans for the batch fit is given (`--plan-batch 1` adds rows planned for a
 batch of 1, what memsave did before it read fit's batch). The losses of both epochs are
-returned, so the parent can check that memsave trains exactly like Keras.
+returned, so the parent can check that memsave trains exactly like Keras. `--keras 2`
+builds the MLP or the CNN with Keras 2 (`tf_keras`, whose batch norm is fused:
+`pip install "tf-keras==X.Y.*"` for TensorFlow X.Y); memsave.keras is Keras 3's, so
+Keras 2 rows are plain `fit` and `fit` under the patch.
 
 Columns: peak MiB (allocator peak during the measured epoch: weights, optimizer state,
 data, activations, gradients), x keras (that peak divided by plain Keras'), predicted
@@ -43,39 +47,72 @@ logger = logging.getLogger("memsave.benchmarks")
 
 TARGET = "benchmarks.keras_fit_memory:measure_fit_step"
 DEFAULTS = {"depth": 24, "width": 256, "batch": 2048, "classes": 10}
+CNN_IMAGE = (32, 32, 3)  # (the CNN's input: CIFAR-shaped)
 
 
-def build_model(depth, width, classes, memsave_checkpoints=None, seed=0):
-    """A deep tanh MLP, functional; a memsave.keras.MemsaveModel if checkpoints are given.
+def keras_module(version=3):
+    """Keras 3 (`keras`) or Keras 2 (`tf_keras`), imported."""
+    if version == 3:
+        import keras
+        return keras
+    try:
+        import tf_keras
+    except ImportError as error:
+        raise ImportError("Keras 2 rows need tf_keras: pip install \"tf-keras==X.Y.*\" for "
+                          "TensorFlow X.Y") from error
+    return tf_keras
+
+
+def build_model(depth, width, classes, memsave_checkpoints=None, seed=0, model="mlp",
+                keras_version=3):
+    """A deep tanh MLP or a conv-BN-ReLU residual CNN, functional; a
+    memsave.keras.MemsaveModel if checkpoints are given (Keras 3 only).
 
     Args:
-      depth: number of hidden Dense(width, tanh) layers.
-      width: units per hidden layer (and input features).
+      depth: number of hidden Dense(width, tanh) layers (mlp), or of residual blocks of
+        two 3x3 convolutions (cnn).
+      width: units per hidden layer and input features (mlp), or channels (cnn).
       classes: output classes (softmax-free logits).
       memsave_checkpoints: None for a plain keras.Model, else the memsave strategy.
       seed: weight-initialisation seed (the same in every process).
+      model: "mlp" or "cnn".
+      keras_version: 3 (keras) or 2 (tf_keras).
     Returns:
       An uncompiled Keras model.
     """
-    import keras
-
+    keras = keras_module(keras_version)
     keras.utils.set_random_seed(seed)
-    inputs = keras.Input((width,))
-    h = inputs
-    for i in range(depth):
-        h = keras.layers.Dense(width, activation="tanh", name=f"dense_{i}")(h)
-    outputs = keras.layers.Dense(classes, name="logits")(h)
+    layers = keras.layers
+    if model == "cnn":
+        inputs = keras.Input(CNN_IMAGE)
+        h = layers.Conv2D(width, 3, padding="same", name="stem")(inputs)
+        for i in range(depth):
+            r = h
+            for j in range(2):
+                h = layers.Conv2D(width, 3, padding="same", use_bias=False,
+                                  name=f"conv_{i}_{j}")(h)
+                h = layers.BatchNormalization(name=f"bn_{i}_{j}")(h)
+                h = layers.Add()([h, r]) if j else h
+                h = layers.ReLU()(h)
+        h = layers.GlobalAveragePooling2D()(h)
+    else:
+        inputs = keras.Input((width,))
+        h = inputs
+        for i in range(depth):
+            h = layers.Dense(width, activation="tanh", name=f"dense_{i}")(h)
+    outputs = layers.Dense(classes, name="logits")(h)
     if memsave_checkpoints is None:
         return keras.Model(inputs, outputs)
     import memsave
     return memsave.keras.MemsaveModel(inputs, outputs, checkpoints=memsave_checkpoints)
 
 
-def synthetic_batch(batch, width, classes, seed=1):
-    """A seeded batch (features float32, integer labels)."""
+def synthetic_batch(batch, width, classes, seed=1, model="mlp"):
+    """A seeded batch (features or CIFAR-shaped images, float32; integer labels)."""
     import numpy as np
     rng = np.random.RandomState(seed)
-    return (rng.randn(batch, width).astype("float32"),
+    shape = (batch,) + (CNN_IMAGE if model == "cnn" else (width,))
+    return (rng.randn(*shape).astype("float32"),
             rng.randint(0, classes, size=(batch,)).astype("int32"))
 
 
@@ -90,7 +127,8 @@ def _sequence_model_and_data(model, depth, examples):
     return bench.keras_model, bench.inputs
 
 
-def _model_and_data(model, checkpoints, patched, depth, width, batch, classes, examples):
+def _model_and_data(model, checkpoints, patched, depth, width, classes, examples,
+                    keras_version):
     """(an uncompiled keras.Model whose fit uses memsave where it should, x, y)."""
     import memsave
     if model in SEQUENCE_MODELS:
@@ -98,22 +136,24 @@ def _model_and_data(model, checkpoints, patched, depth, width, batch, classes, e
         if checkpoints is not None and not patched:
             memsave.keras.enable(net, checkpoints=checkpoints)
         return net, x, y
-    net = build_model(depth, width, classes, None if patched else checkpoints)
-    x, y = synthetic_batch(examples, width, classes)
+    net = build_model(depth, width, classes, None if patched else checkpoints, model=model,
+                      keras_version=keras_version)
+    x, y = synthetic_batch(examples, width, classes, model=model)
     return net, x, y
 
 
 def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["width"],
                      batch=DEFAULTS["batch"], classes=DEFAULTS["classes"], jit_compile=False,
                      patched=False, model="mlp", examples=None, optimizer="sgd",
-                     plan_batch=None):
+                     plan_batch=None, keras_version=3):
     """In a fresh process: peak bytes of one `fit` epoch, and what memsave planned.
 
     Args:
       checkpoints: None for plain Keras, else the memsave strategy name.
       patched: a plain keras.Model fitted under memsave.patch(checkpoints=...), not a
         memsave.keras model.
-      model: "mlp" (a deep tanh MLP of `depth` x Dense(`width`)), "gpt"
+      model: "mlp" (a deep tanh MLP of `depth` x Dense(`width`)), "cnn" (`depth`
+        residual conv-BN-ReLU blocks of `width` channels on 32x32 images), "gpt"
         (benchmarks.models' GPT from Keras layers, `depth` blocks) or "gpt2" (keras-hub's
         GPT2CausalLM, `depth` layers: pip install keras-hub).
       depth, width, batch, classes: model and batch size.
@@ -124,6 +164,7 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
       plan_batch: fit inside memsave.batch_size(plan_batch) (1: the plan memsave made
         before it read fit's batch); None: the batch fit is given.
       jit_compile: compile's jit_compile (True: the step is compiled by XLA).
+      keras_version: 3 (keras) or 2 (tf_keras: the mlp or the cnn, plain or patched).
     Returns:
       {"peak": bytes, "losses": [first epoch's loss, measured epoch's loss], and, where
       memsave planned the step, "predicted", "predicted_baseline" (bytes), "planned_batch",
@@ -132,14 +173,13 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
     """
     import contextlib
 
-    import keras
-
     import memsave
     from memsave.measure import peak_memory_bytes
 
+    keras = keras_module(keras_version)
     examples = examples or batch
-    net, x, y = _model_and_data(model, checkpoints, patched, depth, width, batch, classes,
-                                examples)
+    net, x, y = _model_and_data(model, checkpoints, patched, depth, width, classes, examples,
+                                keras_version)
     net.compile(optimizer=(keras.optimizers.Adam(1e-3) if optimizer == "adam"
                            else keras.optimizers.SGD(0.05)),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -164,8 +204,14 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
                       predicted_baseline=report.baseline_peak_bytes,
                       planned_batch=report.unknown_dim_size if report.unknown_dims else None,
                       unknown_dims=report.unknown_dims, beside=report.beside_bytes,
-                      optimizer_bytes=sum(int(v.numpy().nbytes) for v in net.optimizer.variables))
+                      optimizer_bytes=sum(int(v.numpy().nbytes)
+                                          for v in _optimizer_variables(net.optimizer)))
     return result
+
+
+def _optimizer_variables(optimizer):
+    variables = optimizer.variables  # (a method in Keras 2's legacy optimizers)
+    return variables() if callable(variables) else variables
 
 
 def compare(strategies=("memory",), timeout=600, jobs=1, plan_batches=(None,), **sizes):
@@ -178,15 +224,17 @@ def compare(strategies=("memory",), timeout=600, jobs=1, plan_batches=(None,), *
         side does not mix them; only wall time changes).
       plan_batches: memsave's rows for each (None: the batch fit is given; an int: planned
         for that batch instead, measure_fit_step's plan_batch).
-      **sizes: depth, width, batch, classes, jit_compile, model, examples, optimizer
-        (see measure_fit_step).
+      **sizes: depth, width, batch, classes, jit_compile, model, examples, optimizer,
+        keras_version (see measure_fit_step).
     Returns:
       A list of rows {"config", "peak", "ratio", "losses"}: plain Keras first, then
-      memsave.keras per strategy, then plain Keras under memsave.patch per strategy.
+      memsave.keras per strategy (Keras 3), then plain Keras under memsave.patch per
+      strategy.
     """
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    ways = (False, True) if sizes.get("keras_version", 3) == 3 else (True,)
     configs = [(None, False, None)] + [
-        (s, patched, planned) for patched in (False, True) for s in strategies
+        (s, patched, planned) for patched in ways for s in strategies
         for planned in plan_batches]
 
     def run(config):
@@ -226,14 +274,19 @@ def format_rows(rows):
 def main(argv=None):
     """Command line: measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["mlp", *SEQUENCE_MODELS], default="mlp",
-                        help="a deep tanh MLP, benchmarks.models' GPT from Keras layers, or "
-                             "keras-hub's GPT2CausalLM (gpt2: pip install keras-hub)")
+    parser.add_argument("--model", choices=["mlp", "cnn", *SEQUENCE_MODELS], default="mlp",
+                        help="a deep tanh MLP, a conv-BN-ReLU residual CNN, benchmarks.models' "
+                             "GPT from Keras layers, or keras-hub's GPT2CausalLM (gpt2: pip "
+                             "install keras-hub)")
+    parser.add_argument("--keras", type=int, choices=[3, 2], default=3,
+                        help="Keras 3 (keras) or Keras 2 (tf_keras; mlp and cnn)")
     parser.add_argument("--depth", type=int, default=None,
-                        help=f"layers (mlp, default {DEFAULTS['depth']}) or blocks (gpt, gpt2: 6)")
-    parser.add_argument("--width", type=int, default=DEFAULTS["width"])
+                        help=f"layers (mlp, default {DEFAULTS['depth']}) or blocks (cnn: 8, "
+                             "gpt, gpt2: 6)")
+    parser.add_argument("--width", type=int, default=None,
+                        help=f"units (mlp, default {DEFAULTS['width']}) or channels (cnn: 32)")
     parser.add_argument("--batch", type=int, default=None,
-                        help=f"fit's batch_size (mlp: {DEFAULTS['batch']}, gpt, gpt2: 8)")
+                        help=f"fit's batch_size (mlp: {DEFAULTS['batch']}, cnn: 32, gpt, gpt2: 8)")
     parser.add_argument("--examples", type=int, default=None,
                         help="examples per epoch (default: one batch, which Keras traces with "
                              "a static batch; 2 x batch + 1 leaves a partial batch, and a "
@@ -249,16 +302,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     sequence = args.model in SEQUENCE_MODELS
-    depth = args.depth or (6 if sequence else DEFAULTS["depth"])
-    batch = args.batch or (8 if sequence else DEFAULTS["batch"])
-    rows = compare(tuple(args.checkpoints), jobs=args.jobs, depth=depth, width=args.width,
+    if args.keras == 2 and sequence:
+        parser.error("--keras 2 builds the mlp or the cnn")
+    cnn = args.model == "cnn"
+    depth = args.depth or (6 if sequence else 8 if cnn else DEFAULTS["depth"])
+    width = args.width or (32 if cnn else DEFAULTS["width"])
+    batch = args.batch or (8 if sequence else 32 if cnn else DEFAULTS["batch"])
+    rows = compare(tuple(args.checkpoints), jobs=args.jobs, depth=depth, width=width,
                    batch=batch, jit_compile=args.jit, model=args.model,
-                   examples=args.examples, optimizer=args.optimizer,
+                   examples=args.examples, optimizer=args.optimizer, keras_version=args.keras,
                    plan_batches=[None] + (args.plan_batch or []))
     shape = (f"{SEQUENCE_MODELS[args.model]}, {depth} blocks" if sequence
-             else f"{depth} x Dense({args.width}, tanh)")
-    print(f"Keras fit epoch, {shape}, batch {batch}, {args.examples or batch} examples, "
-          f"{args.optimizer}" + (", jit_compile=True (XLA)" if args.jit else ""))
+             else f"{depth} conv-BN-ReLU blocks of {width} channels" if cnn
+             else f"{depth} x Dense({width}, tanh)")
+    print(f"Keras {args.keras} fit epoch, {shape}, batch {batch}, {args.examples or batch} "
+          f"examples, {args.optimizer}" + (", jit_compile=True (XLA)" if args.jit else ""))
     print(format_rows(rows))
     return 0
 

@@ -1,18 +1,21 @@
-"""What Keras 3 `fit` runs its steps with: the batch, read from what `fit` is given,
+"""What Keras `fit` runs its steps with: the batch, read from what `fit` is given,
 and the optimizer's state held beside the gradients (`optimizer_state`, memsave.beside).
 
-Keras traces its train function with a batch of None; memsave plans that step for the
-batch found here (see memsave.batch), per replica under a distribution strategy:
+Keras 3 (`keras`) and Keras 2 (`tf_keras`) both trace their train function with a batch
+of None; memsave plans that step for the batch found here (see memsave.batch), per
+replica under a distribution strategy:
 
 - arrays (NumPy, tensors, nests of them): `batch_size`, Keras' default 32, or the
   number of examples where that is fewer;
 - a `tf.data.Dataset`: its element_spec's batch where that is static, else the
   leading dimension of its first element (read once, from an iterator of its own,
   before `fit` starts; only where `fit` will trace its step);
-- a `keras.utils.PyDataset`: its first batch, `x[0]`;
+- a `keras.utils.PyDataset` (Keras 2: a `tf_keras.utils.Sequence`): its first batch,
+  `x[0]`;
 - anything else (a Python generator): unknown, since reading it would consume it.
 
-Imports Keras; loaded by memsave.keras and by memsave.patch where Keras is in use.
+Imports Keras 3 (which TensorFlow installs); reads `tf_keras` only where the program
+has imported it. Loaded by memsave.keras and by memsave.patch where Keras is in use.
 """
 
 import contextlib
@@ -20,6 +23,7 @@ import functools
 import inspect
 import logging
 import math
+import sys
 
 import keras
 import tensorflow as tf
@@ -32,7 +36,11 @@ _log = logging.getLogger(__name__)
 KERAS_DEFAULT_BATCH = 32
 # Temporaries of an optimizer's update of one weight, in its gradient's bytes (optimizer_state).
 UPDATE_TEMPORARIES = 2
-_FIT_SIGNATURE = inspect.signature(keras.Model.fit)
+
+
+def _keras_2():
+    """The tf_keras module where the program imported it (memsave never imports it)."""
+    return sys.modules.get("tf_keras")
 
 
 def _leading_dim(structure):
@@ -69,9 +77,10 @@ def fit_batch_size(x=None, batch_size=None, validation_split=0.0):
     """
     if isinstance(x, tf.data.Dataset):
         return _dataset_batch(x)
-    if isinstance(x, keras.utils.PyDataset):
+    indexed = [kind for kind in _indexed_batch_types() if isinstance(x, kind)]
+    if indexed:
         found = _leading_dim(x[0])
-        return (found, "the PyDataset's first batch") if found else None
+        return (found, f"the {indexed[0].__name__}'s first batch") if found else None
     examples = _leading_dim(x)
     if examples is None:
         return None
@@ -82,6 +91,13 @@ def fit_batch_size(x=None, batch_size=None, validation_split=0.0):
     if examples < asked:
         return examples, f"the {examples} examples given to fit ({source})"
     return asked, source
+
+
+def _indexed_batch_types():
+    """Keras 3's PyDataset and, where it is loaded, Keras 2's Sequence: data that gives
+    its batches by index."""
+    keras_2 = _keras_2()
+    return (keras.utils.PyDataset,) + ((keras_2.utils.Sequence,) if keras_2 else ())
 
 
 def data_signature(x, y=None, sample_weight=None, inputs=None):
@@ -111,6 +127,14 @@ def _unbatched_spec(leaf):
     return tf.TensorSpec([None] + shape[1:] if shape else shape, dtype)
 
 
+def _fit_signature(model):
+    """The signature of the Keras `fit` that `model` runs (Keras 3's or Keras 2's own,
+    not that of a subclass's wrapper taking *args)."""
+    keras_2 = _keras_2()
+    base = keras_2.Model if keras_2 and isinstance(model, keras_2.Model) else keras.Model
+    return inspect.signature(base.fit)
+
+
 def _replicas(model):
     return getattr(getattr(model, "distribute_strategy", None), "num_replicas_in_sync", 1)
 
@@ -132,20 +156,54 @@ def optimizer_state(model):
     UPDATE_TEMPORARIES of them). Keras updates each weight as soon as its gradient is
     made, freeing it then, except where the update needs every gradient first: a loss
     scale (mixed precision) checks them all, a global norm clips them together, and
-    replicas sum them together. Asked when the step plans, after `fit` has built the
-    optimizer.
+    replicas sum them together. Asked when the step plans: Keras 3's `fit` has built
+    the optimizer by then; Keras 2 builds it inside the first step, after the
+    gradients, so its slots are counted from a copy built on one small weight.
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return None
-    variables = list(optimizer.variables)
-    waits_for_all = (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    sizes = [_variable_bytes(v) for v in _optimizer_variables(optimizer)]
+    weights = list(getattr(model, "trainable_variables", ()))
+    if len(sizes) < len(weights):  # (not built yet: fewer variables than weights)
+        slots = _slots_per_weight(optimizer)
+        sizes += [_variable_bytes(w) for w in weights for _ in range(slots)]
+    waits_for_all = (isinstance(optimizer, _loss_scale_optimizer_types())
                      or getattr(optimizer, "global_clipnorm", None) is not None
                      or _replicas(model) > 1)
     return beside_lib.Beside(
-        resident_sizes=tuple(_variable_bytes(v) for v in variables),
-        source=f"{type(optimizer).__name__}'s {len(variables)} variables and its update",
+        resident_sizes=tuple(sizes),
+        source=f"{type(optimizer).__name__}'s {len(sizes)} variables and its update",
         update_temporaries=UPDATE_TEMPORARIES, updates_each_gradient=not waits_for_all)
+
+
+def _optimizer_variables(optimizer):
+    """An optimizer's variables (a property in Keras 3 and Keras 2's optimizers, a
+    method in Keras 2's legacy ones)."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def _slots_per_weight(optimizer):
+    """How many variables of a weight's shape `optimizer` keeps per weight (Adam: 2),
+    read from a copy of it that applies one gradient to a small weight of its own,
+    outside any trace; 0 where the optimizer cannot be copied from its config."""
+    probe_shape = [3]
+    try:
+        with tf.init_scope():
+            probe = type(optimizer).from_config(optimizer.get_config())
+            weight = tf.Variable(tf.zeros(probe_shape))
+            probe.apply_gradients([(tf.zeros_like(weight), weight)])
+    except (TypeError, ValueError, NotImplementedError, AttributeError) as error:
+        _log.info("memsave: %s's slots are not counted (%s)", type(optimizer).__name__, error)
+        return 0
+    return sum(1 for v in _optimizer_variables(probe) if v.shape.as_list() == probe_shape)
+
+
+def _loss_scale_optimizer_types():
+    keras_2 = _keras_2()
+    return (keras.optimizers.LossScaleOptimizer,) + (
+        (keras_2.mixed_precision.LossScaleOptimizer,) if keras_2 else ())
 
 
 def _variable_bytes(variable):
@@ -166,7 +224,7 @@ def planned_for_fit(model, args, kwargs):
             yield
             return
         try:
-            arguments = _FIT_SIGNATURE.bind(model, *args, **kwargs).arguments
+            arguments = _fit_signature(model).bind(model, *args, **kwargs).arguments
         except TypeError:  # let fit itself say what is wrong with its arguments
             arguments = {}
         found = _per_replica(model, fit_batch_size(

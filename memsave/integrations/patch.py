@@ -23,9 +23,10 @@ While a patch is active these names compute their gradients with memsave:
   `model.fit` first called under the patch saves memory; Keras keeps that traced step,
   so it keeps saving after the patch, and a step traced before the patch never saves).
   A tape made while no patch is active answers as tf.GradientTape.
-- Keras 3's `keras.Model.fit`, where Keras is imported when the patch starts: it plans
-  the step it traces for the batch it is given (memsave.integrations.keras_batch), not
-  for the batch of None Keras traces with.
+- Keras 3's `keras.Model.fit` and Keras 2's `tf_keras.Model.fit`, where the program
+  imported them before the patch starts: it plans the step it traces for the batch it
+  is given (memsave.integrations.keras_batch), not for the batch of None Keras traces
+  with.
 
 On exit, also when the body raises, every one of them is put back exactly as it
 was (the same object, or no attribute if there was none). Patches nest: the
@@ -63,7 +64,7 @@ _ATTRIBUTE = "gradients"
 # Where tf.GradientTape is looked up (from the `tensorflow` module).
 _TAPE_SITES = ("", "autodiff", "compat.v1", "compat.v2")
 _TAPE_ATTRIBUTE = "GradientTape"
-# Keras 3's Model.fit, planned for the batch it is given (memsave.batch).
+# Keras' Model.fit (3 and 2), planned for the batch it is given (memsave.batch).
 _FIT_ATTRIBUTE = "fit"
 
 _lock = threading.RLock()
@@ -151,15 +152,19 @@ def _make_dispatcher(original):
 
 
 def _keras_fit_sites():
-    """keras.Model, whose `fit` a patch plans for the batch it is given, where Keras 3
-    on TensorFlow is already imported (a patch never imports Keras)."""
+    """The Model classes whose `fit` a patch plans for the batch it is given: Keras 3's
+    `keras.Model` where Keras runs on TensorFlow, and Keras 2's `tf_keras.Model`, each
+    where the program has imported it (a patch never imports Keras)."""
+    sites = []
     keras = sys.modules.get("keras")
     version = getattr(keras, "version", None)
-    if keras is None or not callable(version) or not version().startswith("3"):
-        return []
-    if keras.backend.backend() != "tensorflow":
-        return []
-    return [keras.Model]
+    if (keras is not None and callable(version) and version().startswith("3")
+            and keras.backend.backend() == "tensorflow"):
+        sites.append(keras.Model)
+    keras_2 = sys.modules.get("tf_keras")
+    if keras_2 is not None and hasattr(keras_2, "Model"):
+        sites.append(keras_2.Model)
+    return sites
 
 
 def _install():
