@@ -174,6 +174,7 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
     import contextlib
 
     import memsave
+    from memsave.integrations import keras_batch
     from memsave.measure import peak_memory_bytes
 
     keras = keras_module(keras_version)
@@ -204,14 +205,9 @@ def measure_fit_step(checkpoints=None, depth=DEFAULTS["depth"], width=DEFAULTS["
                       predicted_baseline=report.baseline_peak_bytes,
                       planned_batch=report.unknown_dim_size if report.unknown_dims else None,
                       unknown_dims=report.unknown_dims, beside=report.beside_bytes,
-                      optimizer_bytes=sum(int(v.numpy().nbytes)
-                                          for v in _optimizer_variables(net.optimizer)))
+                      optimizer_bytes=sum(int(v.numpy().nbytes) for v in
+                                          keras_batch.optimizer_variables(net.optimizer)))
     return result
-
-
-def _optimizer_variables(optimizer):
-    variables = optimizer.variables  # (a method in Keras 2's legacy optimizers)
-    return variables() if callable(variables) else variables
 
 
 def compare(strategies=("memory",), timeout=600, jobs=1, plan_batches=(None,), **sizes):

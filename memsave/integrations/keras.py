@@ -39,6 +39,7 @@ This module imports Keras; `import memsave` does not import it (use
 
 import dataclasses
 import logging
+import sys
 import types
 
 import keras
@@ -281,7 +282,12 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
     check_checkpoints(checkpoints)
     offload_lib.normalise(offload)
     if not isinstance(model, keras.Model):
-        raise MemsaveError(f"memsave.keras.enable takes a keras.Model, got {type(model).__name__}")
+        keras_2 = sys.modules.get("tf_keras")
+        hint = ("; a Keras 2 (tf_keras) model trains with memsave under memsave.patch(): "
+                "wrap its fit in `with memsave.patch(checkpoints=...)`"
+                if keras_2 is not None and isinstance(model, keras_2.Model) else "")
+        raise MemsaveError(f"memsave.keras.enable takes a keras.Model (Keras 3), got "
+                           f"{type(model).__name__}{hint}")
 
     def memsave_train_step(data):
         return train_step(model, data, checkpoints, offload)

@@ -14,8 +14,8 @@ replica under a distribution strategy:
   `x[0]`;
 - anything else (a Python generator): unknown, since reading it would consume it.
 
-Imports Keras 3 (which TensorFlow installs); reads `tf_keras` only where the program
-has imported it. Loaded by memsave.keras and by memsave.patch where Keras is in use.
+Imports no Keras: reads Keras 3 (`keras`) and Keras 2 (`tf_keras`) where the program
+has imported them. Loaded by memsave.keras and by memsave.patch where Keras is in use.
 """
 
 import contextlib
@@ -25,7 +25,6 @@ import logging
 import math
 import sys
 
-import keras
 import tensorflow as tf
 
 from memsave import batch as batch_lib
@@ -38,9 +37,24 @@ KERAS_DEFAULT_BATCH = 32
 UPDATE_TEMPORARIES = 2
 
 
-def _keras_2():
-    """The tf_keras module where the program imported it (memsave never imports it)."""
-    return sys.modules.get("tf_keras")
+def loaded_keras():
+    """The Keras modules the program has imported, of those memsave works with: Keras 3
+    on TensorFlow (`keras`) and Keras 2 (`tf_keras`). memsave imports neither here."""
+    found = []
+    keras = sys.modules.get("keras")
+    version = getattr(keras, "version", None)
+    if (callable(version) and version().startswith("3")
+            and keras.backend.backend() == "tensorflow"):
+        found.append(keras)
+    keras_2 = sys.modules.get("tf_keras")
+    if keras_2 is not None and hasattr(keras_2, "Model"):
+        found.append(keras_2)
+    return found
+
+
+def _keras_of(model):
+    """The loaded Keras module whose Model `model` is, or None."""
+    return next((k for k in loaded_keras() if isinstance(model, k.Model)), None)
 
 
 def _leading_dim(structure):
@@ -94,10 +108,10 @@ def fit_batch_size(x=None, batch_size=None, validation_split=0.0):
 
 
 def _indexed_batch_types():
-    """Keras 3's PyDataset and, where it is loaded, Keras 2's Sequence: data that gives
-    its batches by index."""
-    keras_2 = _keras_2()
-    return (keras.utils.PyDataset,) + ((keras_2.utils.Sequence,) if keras_2 else ())
+    """Keras 3's PyDataset and Keras 2's Sequence, where loaded: data that gives its
+    batches by index."""
+    return tuple(getattr(k.utils, name) for k in loaded_keras()
+                 for name in ("PyDataset", "Sequence") if hasattr(k.utils, name))
 
 
 def data_signature(x, y=None, sample_weight=None, inputs=None):
@@ -129,10 +143,9 @@ def _unbatched_spec(leaf):
 
 def _fit_signature(model):
     """The signature of the Keras `fit` that `model` runs (Keras 3's or Keras 2's own,
-    not that of a subclass's wrapper taking *args)."""
-    keras_2 = _keras_2()
-    base = keras_2.Model if keras_2 and isinstance(model, keras_2.Model) else keras.Model
-    return inspect.signature(base.fit)
+    not that of a subclass's wrapper taking *args); None for a model of neither."""
+    keras = _keras_of(model)
+    return None if keras is None else inspect.signature(keras.Model.fit)
 
 
 def _replicas(model):
@@ -147,7 +160,7 @@ def _per_replica(model, found):
     return math.ceil(size / replicas), f"{source}, over {replicas} replicas"
 
 
-def optimizer_state(model):
+def optimizer_state(model, slots_to_come=0):
     """What `model`'s optimizer holds beside the gradients in `fit`'s step, or None.
 
     Its variables (slots such as Adam's two per weight, its iteration count; one copy
@@ -158,52 +171,71 @@ def optimizer_state(model):
     scale (mixed precision) checks them all, a global norm clips them together, and
     replicas sum them together. Asked when the step plans: Keras 3's `fit` has built
     the optimizer by then; Keras 2 builds it inside the first step, after the
-    gradients, so its slots are counted from a copy built on one small weight.
+    gradients, and `slots_to_come` (keras_2_slots_per_weight) counts its slots then.
     """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return None
-    sizes = [_variable_bytes(v) for v in _optimizer_variables(optimizer)]
-    weights = list(getattr(model, "trainable_variables", ()))
-    if len(sizes) < len(weights):  # (not built yet: fewer variables than weights)
-        slots = _slots_per_weight(optimizer)
-        sizes += [_variable_bytes(w) for w in weights for _ in range(slots)]
+    sizes = [_variable_bytes(v) for v in optimizer_variables(optimizer)]
+    source = f"{type(optimizer).__name__}'s {len(sizes)} variables and its update"
+    if slots_to_come and not _built(optimizer):
+        weights = list(model.trainable_variables)
+        sizes += [_variable_bytes(w) for w in weights for _ in range(slots_to_come)]
+        source = (f"{type(optimizer).__name__}'s {len(sizes)} variables (its "
+                  f"{slots_to_come * len(weights)} slots made in the first step) and its update")
     waits_for_all = (isinstance(optimizer, _loss_scale_optimizer_types())
                      or getattr(optimizer, "global_clipnorm", None) is not None
                      or _replicas(model) > 1)
     return beside_lib.Beside(
-        resident_sizes=tuple(sizes),
-        source=f"{type(optimizer).__name__}'s {len(sizes)} variables and its update",
+        resident_sizes=tuple(sizes), source=source,
         update_temporaries=UPDATE_TEMPORARIES, updates_each_gradient=not waits_for_all)
 
 
-def _optimizer_variables(optimizer):
-    """An optimizer's variables (a property in Keras 3 and Keras 2's optimizers, a
-    method in Keras 2's legacy ones)."""
+def optimizer_variables(optimizer):
+    """An optimizer's variables: a list in Keras 3, a callable list in Keras 2, a
+    method in Keras 2's legacy optimizers."""
     variables = optimizer.variables
     return list(variables() if callable(variables) else variables)
 
 
-def _slots_per_weight(optimizer):
-    """How many variables of a weight's shape `optimizer` keeps per weight (Adam: 2),
-    read from a copy of it that applies one gradient to a small weight of its own,
-    outside any trace; 0 where the optimizer cannot be copied from its config."""
+def _built(optimizer):
+    """Whether `optimizer` has made its slots: Keras 3's and Keras 2's `built` flags; a
+    legacy Keras 2 optimizer once it holds a slot."""
+    for flag in ("built", "_built"):
+        value = getattr(optimizer, flag, None)
+        if isinstance(value, bool):
+            return value
+    return bool(getattr(optimizer, "_slots", None))
+
+
+def keras_2_slots_per_weight(model):
+    """How many variables of a weight's shape a Keras 2 model's optimizer will make per
+    weight in the first step (Adam: 2); 0 for a Keras 3 model or a built optimizer.
+
+    Read from a copy of the optimizer that applies one gradient to a small weight of
+    its own. Call it eagerly, before `fit` traces: inside a trace, or in a replica's
+    thread under a distribution strategy, the copy's variables could not be made.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    keras = _keras_of(model)
+    if optimizer is None or keras is None or keras.__name__ != "tf_keras" or _built(optimizer):
+        return 0
     probe_shape = [3]
     try:
-        with tf.init_scope():
-            probe = type(optimizer).from_config(optimizer.get_config())
-            weight = tf.Variable(tf.zeros(probe_shape))
-            probe.apply_gradients([(tf.zeros_like(weight), weight)])
-    except (TypeError, ValueError, NotImplementedError, AttributeError) as error:
+        probe = type(optimizer).from_config(optimizer.get_config())
+        weight = tf.Variable(tf.zeros(probe_shape))
+        probe.apply_gradients([(tf.zeros_like(weight), weight)])
+    except (TypeError, ValueError, NotImplementedError, AttributeError, RuntimeError) as error:
         _log.info("memsave: %s's slots are not counted (%s)", type(optimizer).__name__, error)
         return 0
-    return sum(1 for v in _optimizer_variables(probe) if v.shape.as_list() == probe_shape)
+    return sum(1 for v in optimizer_variables(probe) if v.shape.as_list() == probe_shape)
 
 
 def _loss_scale_optimizer_types():
-    keras_2 = _keras_2()
-    return (keras.optimizers.LossScaleOptimizer,) + (
-        (keras_2.mixed_precision.LossScaleOptimizer,) if keras_2 else ())
+    """Keras 3's and Keras 2's LossScaleOptimizer, where loaded."""
+    return tuple(getattr(module, "LossScaleOptimizer") for k in loaded_keras()
+                 for module in (k.optimizers, getattr(k, "mixed_precision", None))
+                 if hasattr(module, "LossScaleOptimizer"))
 
 
 def _variable_bytes(variable):
@@ -219,12 +251,14 @@ def planned_for_fit(model, args, kwargs):
         # data is read ahead.
         yield
         return
-    with beside_lib.holding(lambda: optimizer_state(model)):
+    slots_to_come = keras_2_slots_per_weight(model)
+    with beside_lib.holding(lambda: optimizer_state(model, slots_to_come)):
         if batch_lib.current() is not None:  # the caller's own memsave.batch_size wins
             yield
             return
+        signature = _fit_signature(model)
         try:
-            arguments = _fit_signature(model).bind(model, *args, **kwargs).arguments
+            arguments = signature.bind(model, *args, **kwargs).arguments if signature else {}
         except TypeError:  # let fit itself say what is wrong with its arguments
             arguments = {}
         found = _per_replica(model, fit_batch_size(

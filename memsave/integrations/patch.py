@@ -155,16 +155,8 @@ def _keras_fit_sites():
     """The Model classes whose `fit` a patch plans for the batch it is given: Keras 3's
     `keras.Model` where Keras runs on TensorFlow, and Keras 2's `tf_keras.Model`, each
     where the program has imported it (a patch never imports Keras)."""
-    sites = []
-    keras = sys.modules.get("keras")
-    version = getattr(keras, "version", None)
-    if (keras is not None and callable(version) and version().startswith("3")
-            and keras.backend.backend() == "tensorflow"):
-        sites.append(keras.Model)
-    keras_2 = sys.modules.get("tf_keras")
-    if keras_2 is not None and hasattr(keras_2, "Model"):
-        sites.append(keras_2.Model)
-    return sites
+    from memsave.integrations import keras_batch
+    return [keras.Model for keras in keras_batch.loaded_keras()]
 
 
 def _install():
