@@ -80,13 +80,13 @@ def test_a_keras_2_batch_norm_cnn_is_exact(dtype, rtol, strategy):
 
 
 def _fitted(model, x, y, patched):
-    """The losses of two epochs of `model.fit` (compiled with Adam), under
+    """The loss of one epoch of `model.fit` (three batches, compiled with Adam), under
     memsave.patch("memory") where `patched`."""
     model.compile(optimizer=tf_keras.optimizers.Adam(1e-3),
                   loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     context = memsave.patch(checkpoints="memory") if patched else contextlib.nullcontext()
     with context:
-        history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+        history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
     return history.history["loss"]
 
 
