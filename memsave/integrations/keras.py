@@ -39,7 +39,6 @@ This module imports Keras; `import memsave` does not import it (use
 
 import dataclasses
 import logging
-import sys
 import types
 
 import keras
@@ -282,10 +281,10 @@ def enable(model, checkpoints=DEFAULT_CHECKPOINTS, offload=False):
     check_checkpoints(checkpoints)
     offload_lib.normalise(offload)
     if not isinstance(model, keras.Model):
-        keras_2 = sys.modules.get("tf_keras")
+        model_keras = keras_batch.keras_of(model)
         hint = ("; a Keras 2 (tf_keras) model trains with memsave under memsave.patch(): "
                 "wrap its fit in `with memsave.patch(checkpoints=...)`"
-                if keras_2 is not None and isinstance(model, keras_2.Model) else "")
+                if model_keras is not None and model_keras.__name__ == "tf_keras" else "")
         raise MemsaveError(f"memsave.keras.enable takes a keras.Model (Keras 3), got "
                            f"{type(model).__name__}{hint}")
 

@@ -52,7 +52,7 @@ def loaded_keras():
     return found
 
 
-def _keras_of(model):
+def keras_of(model):
     """The loaded Keras module whose Model `model` is, or None."""
     return next((k for k in loaded_keras() if isinstance(model, k.Model)), None)
 
@@ -144,7 +144,7 @@ def _unbatched_spec(leaf):
 def _fit_signature(model):
     """The signature of the Keras `fit` that `model` runs (Keras 3's or Keras 2's own,
     not that of a subclass's wrapper taking *args); None for a model of neither."""
-    keras = _keras_of(model)
+    keras = keras_of(model)
     return None if keras is None else inspect.signature(keras.Model.fit)
 
 
@@ -217,7 +217,7 @@ def keras_2_slots_per_weight(model):
     thread under a distribution strategy, the copy's variables could not be made.
     """
     optimizer = getattr(model, "optimizer", None)
-    keras = _keras_of(model)
+    keras = keras_of(model)
     if optimizer is None or keras is None or keras.__name__ != "tf_keras" or _built(optimizer):
         return 0
     probe_shape = [3]
