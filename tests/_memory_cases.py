@@ -17,11 +17,16 @@ _PREDICTED = {}
 
 
 def _gradient_fn(mode, marks):
-    """tf.gradients or memsave with `mode` ('memory', 'listed', 'budget:F', a strategy);
-    records the memory model's prediction of the step's peak in _PREDICTED."""
+    """tf.gradients or memsave with `mode` ('memory', 'listed', 'budget:F', a strategy;
+    'tf+decide:S': tf.gradients, recording as "decided" whether memsave with strategy S
+    would rewrite the step, without a process of its own); records the memory model's
+    prediction of the step's peak in _PREDICTED."""
     def gradients(ys, xs):
-        if mode == "tf":
+        if mode.startswith("tf"):
             _PREDICTED["bytes"] = memsave.plan(ys, xs, []).baseline_peak_bytes
+            _, decide, strategy = mode.partition("+decide:")
+            if decide:
+                _PREDICTED["decided"] = not memsave.plan(ys, xs, strategy).fallback
             return tf.gradients(ys, xs)
         if mode == "listed":
             checkpoints = marks
@@ -62,6 +67,7 @@ def _measure(step, *args):
     peak, grads = _peak_over_calls(lambda: [g.numpy() for g in step(*args)])
     return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
             "rewritten": _PREDICTED.get("rewritten", False),
+            "decided": _PREDICTED.get("decided"),
             "checksum": float(sum(np.sum(g, dtype=np.float64) for g in grads))}
 
 
