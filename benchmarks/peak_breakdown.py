@@ -191,7 +191,8 @@ def _traced_function_step(bench, strategy, top):
         traced["resident"] = tf.config.experimental.get_memory_info(device)["current"]
         tf.profiler.experimental.start(logdir)
         try:
-            [g.numpy() for g in step(*inputs)[1] if g is not None]
+            # (an embedding's gradient is IndexedSlices: its values are the buffer)
+            [getattr(g, "values", g).numpy() for g in step(*inputs)[1] if g is not None]
         finally:
             tf.profiler.experimental.stop()
         traced["events"] = _profiled_allocations(logdir)

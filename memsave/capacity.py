@@ -37,10 +37,13 @@ from memsave.planner import costs
 
 # The largest batch a search tries unless told otherwise.
 MAX_BATCH = 1 << 20
-# The share of the limit an answer leaves free by default: a step's measured peak moves by
-# a few percent from run to run with the order the executor runs its ops in, and what
-# the model cannot see (the runtime's own buffers) takes some too.
-HEADROOM = 0.05
+# The share of the limit an answer leaves free by default. Under a cap held as one region,
+# what a step needs is where its chunks land, which moves with the order the executor's
+# threads run its ops in: measured 2-13% above the one-region prediction (the smallest caps
+# of ResNet50's and the Keras GPT's answers, AMD EPYC without AVX-512, TensorFlow 2.21;
+# benchmarks/RESULTS.md, "What each answer needs"). With 5%, ResNet50's answer ran out of
+# memory in one process of two.
+HEADROOM = 0.10
 
 
 def device_memory_limit():
@@ -171,7 +174,7 @@ def max_batch_size(step: Callable, input_signature, memory_limit=None, optimizer
       optimizer_state: a callable returning the memsave.beside.Beside the step holds
         beside its gradients (an optimizer's state), or None.
       max_batch: the largest batch to try.
-      headroom: the share of the limit the answers leave free (HEADROOM: 5%); the
+      headroom: the share of the limit the answers leave free (HEADROOM: 10%); the
         answers are the largest batches predicted within (1 - headroom) x the limit.
         The model's misses are in benchmarks/RESULTS.md ("What batch fits"): a larger
         headroom where a run must not fail.

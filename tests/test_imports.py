@@ -60,6 +60,8 @@ FORBIDDEN = {
                                  "memsave.planner.search"],
     "memsave.planner.buffer_links": ["memsave.planner.graph", "memsave.planner.memory",
                                      "memsave.planner.search"],
+    "memsave.planner.constant_folding": ["memsave.planner.graph", "memsave.planner.memory",
+                                         "memsave.planner.search"],
     "memsave.planner.candidates": ["memsave.planner.search", "memsave.planner.memory"],
     # The replay of a gradient built apart, on a Timeline: below the StepGraph that
     # calls it, and the step's simulation.

@@ -340,7 +340,7 @@ def max_batch_size(model, memory_limit=None, x=None, y=None, sample_weight=None,
       checkpoints: memsave's strategy, as for MemsaveModel (None: the model's own, where
         it is a MemsaveModel or enabled, else 'memory'); its host offload is the model's.
       max_batch: the largest batch to try.
-      headroom: the share of the limit the answers leave free (default 5%: a step's
+      headroom: the share of the limit the answers leave free (default 10%: a step's
         peak moves a little from run to run).
     Returns:
       A memsave.capacity.Capacity: `batch_size`, `baseline_batch_size`, `peaks` (per

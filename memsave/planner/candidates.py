@@ -125,7 +125,7 @@ def _data_dependent(graph):
     """
     data = [False] * len(graph.tensors)
     sources = [t for op, kind in enumerate(graph.kind) if kind == RESIDENT
-               and graph.ops[op].type != "Const" for t in graph.outputs[op]
+               and op not in graph.constants for t in graph.outputs[op]
                if is_data(graph.tensors[t])]
     sources += [t for t, is_x in enumerate(graph.is_x) if is_x and is_data(graph.tensors[t])]
     for t in sources:

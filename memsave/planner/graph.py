@@ -16,15 +16,15 @@ from memsave.environment import Environment
 from memsave.graph.select import BACK_EDGE_OP_TYPES, get_backward_walk_ops
 from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
-from memsave.planner import (buffer_links, call_gradients, costs, custom_gradients, deferral,
-                             kernels, opinfo, shapes, xla_buffers)
+from memsave.planner import (buffer_links, call_gradients, constant_folding, costs,
+                             custom_gradients, deferral, kernels, opinfo, shapes, xla_buffers)
 from memsave.planner.loops import list_length, loop_memory, recomputed, tensor_bytes
 from memsave.planner.op_kinds import FORWARD, KEPT, REGION, RESIDENT
 
 logger = logging.getLogger(__name__)
 
-# How an op takes part in the step (StepGraph.kind): RESIDENT, REGION, KEPT, FORWARD,
-# defined in memsave.planner.op_kinds; the planner's modules import them from here.
+# How an op takes part in the step (StepGraph.kind): RESIDENT, REGION, KEPT, FORWARD
+# (memsave.planner.op_kinds); the planner's modules import them from here.
 
 # A region tensor of at most 1/SMALL_FRACTION of the largest is read from the forward
 # pass rather than recomputed (StepGraph.small).
@@ -85,6 +85,8 @@ class StepGraph:
         its temporaries then (in grad_temporaries).
       folded: op id -> bytes of the product Grappler's constant folding makes of its
         output in the forward pass, held to its gradient (buffer_links.link_folded_products).
+      constants: ids of the ops whose outputs are constants when the step runs: Consts, and
+        what Grappler folds into one (memsave.planner.constant_folding; kind RESIDENT).
       pieces: tensor id -> how many allocations of equal size its bytes are, where more
         than one: a TensorList's elements (memsave.planner.loops.list_length).
       boundaries: ids of the region tensors every plan keeps (segments end there), so
@@ -140,7 +142,7 @@ class StepGraph:
         self.custom_gradient_ops = set()
         self.held = {}
         self.call_runs = {}
-        self.folded = {}
+        self.folded, self.constants = {}, frozenset()
         self.pieces = {}
         self.largest_bytes = 0
         self.small_bytes = 0
@@ -268,6 +270,7 @@ class StepGraph:
         buffer_links.link_forwarded_outputs(self)  # (after the gradients: what they read is kept)
         if folds_constants:
             buffer_links.link_folded_products(self)
+            constant_folding.fold(self)
 
     def _drop_gradients_nothing_reaches(self):
         """tf.gradients makes no gradient for an op none of whose outputs gets one (its
