@@ -270,7 +270,7 @@ class StepGraph:
         buffer_links.link_forwarded_outputs(self)  # (after the gradients: what they read is kept)
         if folds_constants:
             buffer_links.link_folded_products(self)
-            constant_folding.fold(self)
+            constant_folding.fold(self, SMALL_FRACTION)
 
     def _drop_gradients_nothing_reaches(self):
         """tf.gradients makes no gradient for an op none of whose outputs gets one (its
