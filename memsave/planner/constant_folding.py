@@ -70,8 +70,15 @@ def _large(step, folded, small_fraction):
 
 def _folds(step, op, constants):
     """Whether Grappler folds op `op` of `step` into a Const, given the ops known to
-    make constants."""
+    make constants. (What the graph's lists answer first: most ops read a tensor that is
+    no constant, and reading an op's NodeDef costs more than the lists.)"""
     tf_op = step.ops[op]
+    if tf_op.type in _SHAPE_TYPES:
+        if not all(t.shape.is_fully_defined() for t in tf_op.inputs):
+            return False
+    elif not (tf_op.inputs and len(step.inputs[op]) == len(tf_op.inputs)
+              and all(step.producer[t] in constants for t in step.inputs[op])):
+        return False
     if not tf_op.outputs or any(t.dtype.name in _DATA_DTYPES_EXCLUDED for t in tf_op.outputs):
         return False
     try:
@@ -79,12 +86,9 @@ def _folds(step, op, constants):
             return False
     except (AttributeError, ValueError):  # (no OpDef: a function's own op type)
         return False
-    if any(value.HasField("func") or value.list.func for value in tf_op.node_def.attr.values()):
-        return False  # (a call, a loop, a conditional: not folded as a whole)
-    if tf_op.type in _SHAPE_TYPES:
-        return all(t.shape.is_fully_defined() for t in tf_op.inputs)
-    return (bool(tf_op.inputs) and len(step.inputs[op]) == len(tf_op.inputs)
-            and all(step.producer[t] in constants for t in step.inputs[op]))
+    # (a call, a loop, a conditional: not folded as a whole)
+    return not any(value.HasField("func") or value.list.func
+                   for value in tf_op.node_def.attr.values())
 
 
 def _read_at_run_time(step, folded):
