@@ -20,7 +20,7 @@ ops read it (what Grappler prunes).
 
 import hashlib
 
-from memsave.planner.op_kinds import FORWARD, REGION, RESIDENT
+from memsave.planner.op_kinds import FORWARD, RESIDENT
 
 _CONSTANT_TYPES = frozenset({"Const", "HostConst"})
 # Replaced by a Const where their input's shape is static (MaterializeShapes).
@@ -28,11 +28,11 @@ _SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _DATA_DTYPES_EXCLUDED = ("resource", "variant")
 
 
-def fold(step, small_fraction):
+def fold(step):
     """Marks the ops of `step` (a StepGraph) that Grappler folds into constants as
     RESIDENT, and their outputs' bytes as described in the module's docstring, where an
-    output is larger than 1/`small_fraction` of the region's largest tensor (`_large`);
-    records every folded op, with the Consts, in `step.constants`."""
+    output is larger than the step's small tensors (`_large`); records every folded op,
+    with the Consts, in `step.constants`."""
     constants = {op for op, t in enumerate(step.ops) if t.type in _CONSTANT_TYPES}
     folded = []
     for op in range(len(step.ops)):  # (topological order: producers first)
@@ -44,7 +44,7 @@ def fold(step, small_fraction):
         return
     read_at_run_time = _read_at_run_time(step, set(folded))
     signatures, kept = {}, set()
-    for op in _large(step, folded, small_fraction):
+    for op in _large(step, folded):
         step.kind[op] = RESIDENT
         for position, tid in enumerate(step.outputs[op]):
             step.alias_of[tid] = -1  # (a Const of its own, whatever the op forwarded)
@@ -55,17 +55,15 @@ def fold(step, small_fraction):
                 step.size[tid] = 0
 
 
-def _large(step, folded, small_fraction):
-    """The folded ops with an output larger than 1/`small_fraction` of the region's
-    largest tensor. Smaller ones (a shape's Pack, a band of a few KiB) are left as the
-    graph shows them: what they hold is nothing to the step, and the allocator replay
-    places chunks in the order the tensors come, so moving a few bytes of them moved a
-    replayed peak by a whole 25-MiB buffer (a Keras U-Net's tf.gradients step: 221.0 MiB
-    predicted, 246.0 as before, 249.9 measured)."""
-    largest = max((step.size[t] for op, kind in enumerate(step.kind) if kind == REGION
-                   for t in step.outputs[op]), default=0)
-    threshold = largest // small_fraction
-    return [op for op in folded if any(step.size[t] > threshold for t in step.outputs[op])]
+def _large(step, folded):
+    """The folded ops with an output larger than StepGraph.small_bytes (1/1024 of the
+    region's largest tensor). Smaller ones (a shape's Pack, a band of a few KiB) are left
+    as the graph shows them: what they hold is nothing to the step, and the allocator
+    replay places chunks in the order the tensors come, so moving a few bytes of them
+    moved a replayed peak by a whole 25-MiB buffer (a Keras U-Net's tf.gradients step:
+    221.0 MiB predicted, 246.0 as before, 249.9 measured)."""
+    return [op for op in folded
+            if any(step.size[t] > step.small_bytes for t in step.outputs[op])]
 
 
 def _folds(step, op, constants):
@@ -94,11 +92,9 @@ def _folds(step, op, constants):
 def _read_at_run_time(step, folded):
     """Ids of the folded tensors that a Const must still hold when the step runs: read
     by an op that is not folded, or by a gradient."""
-    needed = {t for op, reads in enumerate(step.grad_reads) for t in reads}
-    for op in range(len(step.ops)):
-        if op not in folded:
-            needed.update(step.inputs[op])
-    return {t for op in folded for t in step.outputs[op] if t in needed}
+    read_by_gradients = {t for reads in step.grad_reads for t in reads}
+    return {t for op in folded for t in step.outputs[op]
+            if t in read_by_gradients or any(c not in folded for c in step.consumers[t])}
 
 
 def _signature(step, op, signatures):

@@ -191,10 +191,10 @@ class StepGraph:
                     under_xla=environment.under_xla, chunk=environment.loop_chunk)
         if not environment.under_xla:  # (XLA's kernels make workspaces of their own)
             step._size_workspaces()
-        step._link(region, environment.folds_constants)
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
         step.largest_bytes = max((step.size[t] for t in region_tensors), default=0)
-        step.small_bytes = step.largest_bytes // SMALL_FRACTION
+        step.small_bytes = step.largest_bytes // SMALL_FRACTION  # (linking folds above it)
+        step._link(region, environment.folds_constants)
         step.small = frozenset(t for t in region_tensors if step.size[t] <= step.small_bytes
                                and (step.tensors[t].shape.is_fully_defined()
                                     or t in step.workspaces))
@@ -270,7 +270,7 @@ class StepGraph:
         buffer_links.link_forwarded_outputs(self)  # (after the gradients: what they read is kept)
         if folds_constants:
             buffer_links.link_folded_products(self)
-            constant_folding.fold(self, SMALL_FRACTION)
+            constant_folding.fold(self)
 
     def _drop_gradients_nothing_reaches(self):
         """tf.gradients makes no gradient for an op none of whose outputs gets one (its
