@@ -319,9 +319,10 @@ def _keras_unet(keras, size=16, base=4, levels=3):
 # The memory model's choices (reading checkpoints, recomputing ahead, ordering
 # convolution gradients) depend on the kernels the machine runs: each is tried here
 # whatever this machine has (None: the model of a GPU). For the suite's time, oneDNN's
-# kernels are tried with 'memory' only (its orders_backward case), a GPU's with 'speed'.
-@pytest.mark.parametrize("strategy,kernels", [("speed", "eigen"), ("speed", None),
-                                              ("memory", "onednn"), ("memory", "eigen")])
+# and TensorFlow's own kernels are tried with 'memory' only (orders_backward, and the
+# convolution gradients ordered pairwise), a GPU's with 'speed'.
+@pytest.mark.parametrize("strategy,kernels", [("speed", None), ("memory", "onednn"),
+                                              ("memory", "eigen")])
 def test_keras_unet_in_tf_function_is_acyclic_and_exact(strategy, kernels, monkeypatch):
     """The issue's U-Net failed with 'speed' at run time ("963 nodes in a cycle").
     The function's graph is checked after tf.function added its automatic control

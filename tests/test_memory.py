@@ -80,13 +80,11 @@ def test_resnet_like_chain_of_100_blocks_peaks_at_most_30_percent():
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-5)
 
 
-@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=XLA_SAVINGS_MEASURED)],
-                         ids=["tf_function", "xla"])
-def test_deep_mlp_peaks_at_most_half(jit):
-    # Under XLA (tf.function(jit_compile=True)) XLA must not merge the recomputation back
-    # into the forward pass (without memsave's data dependencies it did: 285 MB vs 281 MB).
-    baseline = measure("deep_mlp", mode="tf", jit=jit)
-    got = measure("deep_mlp", mode="memory", jit=jit)
+def test_deep_mlp_peaks_at_most_half():
+    # (Under XLA, where XLA must not merge the recomputation back into the forward pass,
+    # test_under_xla_memory_keeps_its_ratio_in_xlas_buffers measures an MLP and a CNN.)
+    baseline = measure("deep_mlp", mode="tf")
+    got = measure("deep_mlp", mode="memory")
     ratio = got["peak_mb"] / baseline["peak_mb"]
     assert ratio <= 0.50, f"{got['peak_mb']:.1f} MiB vs {baseline['peak_mb']:.1f} MiB"
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-4)
@@ -137,20 +135,22 @@ def test_under_xla_memory_runs_in_xlas_buffers_where_tf_gradients_does_not():
     assert not capped.get("oom"), f"'memory' under XLA does not run in {cap_mb} MiB"
 
 
-LSTM_STACK = dict(batch=64, steps=100, units=256, features=32)
+LSTM_STACK = dict(batch=64, steps=64, units=256, features=32)
 
 
 def test_an_lstm_stack_differentiated_through_recomputing_copies():
-    """2 x Keras LSTM(256) over 100 steps: TensorFlow keeps every step's gates for the
-    gradient (110-151 MiB, AMD EPYC); memsave's recomputing copies keep each step's
-    carry, one loop at a time (28.4-31.8 MiB), predicted within 15%: each carry and
-    each TensorList element is an allocation of its own, which BFC places in whatever
-    hole fits (as one 19 MiB buffer the replay put the carries in a region of their own:
-    36.1 MiB predicted), the copy reads the TensorList the loop read (the first LSTM's
-    sequence, 6.25 MiB, kept to the second's gradient), and a reserved TensorList holds
-    nothing until the loop writes it. tf.gradients' own peak is not asserted: the
+    """2 x Keras LSTM(256) over 64 steps: TensorFlow keeps every step's gates for the
+    gradient (74.0-74.9 MiB, AMD EPYC without AVX-512, TensorFlow 2.16 and 2.21);
+    memsave's recomputing copies keep each step's carry, one loop at a time (23.5-23.9
+    MiB, 23.4 predicted), predicted within 15%: each carry and each TensorList element
+    is an allocation of its own, which BFC places in whatever hole fits (at 100 steps,
+    as one 19 MiB buffer, the replay put the carries in a region of their own: 36.1 MiB
+    predicted for 28.4-31.8), the copy reads the TensorList the loop read (the first
+    LSTM's sequence, 4 MiB, kept to the second's gradient), and a reserved TensorList
+    holds nothing until the loop writes it. tf.gradients' own peak is not asserted: the
     executor runs the gradient loop up to 32 iterations ahead in some steps, not in
-    others (110-113 MiB against 137-151)."""
+    others (at 100 steps, 110-113 MiB against 137-151). (100 steps took 7 s more of
+    the suite's time and said the same.)"""
     baseline = measure("lstm_stack", mode="tf", **LSTM_STACK)
     got = measure("lstm_stack", mode="memory", **LSTM_STACK)
     ratio = got["peak_mb"] / baseline["peak_mb"]

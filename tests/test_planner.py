@@ -673,6 +673,37 @@ def test_budget_plan_with_offload_on_a_chain_is_optimal(seed, flops_per_byte, of
             assert kept_only is None or found[0].cost_flops <= kept_only[0].cost_flops
 
 
+def test_a_plans_cost_is_known_without_simulating_it_and_the_exact_search_uses_that():
+    """MemoryModel.cost_of gives predict's cost_flops for every plan, offloaded or not,
+    read or recomputed; a budget's exact search then simulates only the plans of the
+    cheapest costs (its answer is the brute force's: the optimality tests above)."""
+    rng = np.random.default_rng(6)
+    with tf.Graph().as_default():
+        model = _random_chain(rng, n_ops=int(rng.integers(7, 10)))
+        tensors = search.Candidates(model.graph).tensors
+        offloadable = search.Offloadable(frozenset(tensors), prefetch=2, flops_per_byte=10.0)
+        plans = [(list(kept), list(offloaded), read)
+                 for r in range(1, len(tensors) + 1)
+                 for kept in itertools.combinations(tensors, r)
+                 for k in range(len(kept) + 1) for offloaded in itertools.combinations(kept, k)
+                 for read in _READ_MODES]
+        for index in rng.choice(len(plans), 300, replace=False):
+            kept, offloaded, read = plans[index]
+            assert model.cost_of(kept, offloaded, 10.0, read) == model.predict(
+                kept, offloaded, 2, 10.0, read_checkpoints=read).cost_flops, (kept, offloaded)
+
+        fresh = _random_chain(np.random.default_rng(6), n_ops=len(model.graph.ops))
+        lowest = search.lowest_reachable_peak(fresh)
+        limit = int(lowest + 0.3 * (fresh.baseline().peak_bytes - lowest))
+        simulated = []
+        predict = fresh.predict
+        fresh.predict = lambda *a, **k: simulated.append(a) or predict(*a, **k)
+        found = search.within_budget(fresh, limit, expensive=[], exact=True)
+    assert found is not None and found[0].peak_bytes <= limit
+    subsets = 2 ** len(tensors) * len(_READ_MODES)
+    assert len(simulated) < subsets / 4, (len(simulated), subsets)
+
+
 def test_transfer_cost_counts_what_outlasts_the_computation_it_overlaps():
     overhead = 10**5
     # 1 MB out at 1000 FLOP/byte = 1e9 FLOPs against a 4e8 forward pass: 6e8 show; the

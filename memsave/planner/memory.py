@@ -27,7 +27,7 @@ import dataclasses
 from typing import Optional
 
 from memsave.planner import allocator as allocator_lib
-from memsave.planner import costs, curves, intervals
+from memsave.planner import costs, curves, intervals, simulate_plan
 from memsave.planner.forward_pass import run_forward, unforwardable_outputs
 from memsave.planner.graph import KEPT, REGION
 from memsave.planner.segments import Segmentation
@@ -184,6 +184,30 @@ class MemoryModel:
             key, self._segmentation(key), frozenset(key[1]), prefetch, flops_per_byte,
             replay=replay, ahead=bool(recompute_ahead)))
 
+    def cost_of(self, checkpoints, offloaded=(), flops_per_byte=None, read_checkpoints=False):
+        """The cost_flops of predict's Prediction for this plan (arguments as predict's),
+        found from its segments alone: no simulation, so a search can rank every plan by
+        cost and simulate only the cheapest."""
+        if flops_per_byte is None:
+            flops_per_byte = costs.DEFAULT_FLOPS_PER_BYTE
+        key = _plan_key(checkpoints, offloaded, 1, flops_per_byte, read_checkpoints, False)
+        prediction = self._predictions.get(key)
+        if prediction is not None:
+            return prediction.cost_flops
+        recompute, copied_back = simulate_plan.plan_costs(
+            self.graph, self._segmentation(key), frozenset(key[1]))
+        return int(recompute) + self._transfer_flops(key[1], copied_back, flops_per_byte)
+
+    def _transfer_flops(self, offloaded, copied_back, flops_per_byte):
+        """What copying `offloaded` out and `copied_back` in costs (0 without offload)."""
+        if not offloaded:
+            return 0
+        graph = self.graph
+        return costs.transfer_flops(
+            sum(graph.size[t] for t in offloaded), sum(graph.size[t] for t in copied_back),
+            len(offloaded) + len(copied_back), self.forward_flops, flops_per_byte,
+            graph.costs.op_overhead)
+
     def largest_at_peak(self, checkpoints=None, read_checkpoints=False, top=10):
         """What the model holds at the live tensors' peak of a plan (of tf.gradients'
         step where `checkpoints` is None), to set beside a measured step's records
@@ -316,9 +340,7 @@ class MemoryModel:
                 len(segmentation.executed(head)) for head in segmentation.order),
             breakdown=timeline.live_at(at),
             host_bytes=out_bytes, moved_bytes=out_bytes + back_bytes,
-            transfer_flops=costs.transfer_flops(
-                out_bytes, back_bytes, len(offloaded) + len(step.copied_back),
-                self.forward_flops, flops_per_byte, graph.costs.op_overhead) if offloaded else 0,
+            transfer_flops=self._transfer_flops(offloaded, step.copied_back, flops_per_byte),
             deferred_gradients=step.deferred_gradients,
             reads_checkpoints=(segmentation is not None
                                and segmentation.reads_forward.read_checkpoints),

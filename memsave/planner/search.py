@@ -94,6 +94,13 @@ class _Search:
                                   self.offloadable.flops_per_byte, allocator=allocator,
                                   read_checkpoints=self.read_checkpoints)
 
+    def cost(self, plan, offloaded=()):
+        """The cost_flops of predict(plan, offloaded), without simulating it."""
+        if not offloaded:
+            return self.model.cost_of(plan, read_checkpoints=self.read_checkpoints)
+        return self.model.cost_of(plan, offloaded, self.offloadable.flops_per_byte,
+                                  read_checkpoints=self.read_checkpoints)
+
     def fits(self, plan, offloaded, limit_bytes, allocator=True):
         """Whether `plan` peaks within `limit_bytes`: its live tensors, and (`allocator`)
         the chunks the device's allocator holds for them, where the model simulates one."""
@@ -286,10 +293,8 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
         exact = len(tensors) <= (EXACT_BUDGET_LIMIT if search.offloadable is None
                                  else EXACT_OFFLOAD_LIMIT)
     if exact:
-        found = ((search.predict(plan, offloaded), plan, offloaded)
-                 for plan, offloaded in _subsets_with_offload(tensors, search.offloadable))
-        return _cheapest(search, (f for f in found if f[0].peak_bytes <= limit_bytes),
-                         limit_bytes)
+        return _cheapest_subset(search, _subsets_with_offload(tensors, search.offloadable),
+                                limit_bytes)
     # With offload, every segment size: fine cuts whose checkpoints wait on the host
     # reach peaks that no plan without offload reaches.
     plans = search.cut_plans() if search.offloadable is None else search.all_cut_plans()
@@ -338,7 +343,11 @@ def _improved(search, plans, limit_bytes):
     def ordered(ids):  # (a plan may hold expensive outputs that are no candidates)
         return sorted(ids, key=lambda t: (producer[t], t))
 
-    def scored(plan):
+    def scored(plan, bound):
+        if bound is not None and bound[0] == 0 and search.offloadable is None:
+            cost = search.cost(plan)
+            if cost > bound[1]:  # (scored no better than `bound`, whether it fits or not)
+                return (0, cost, float("inf")), None
         fitted = search.fit(plan, limit_bytes, allocator=False)
         if fitted is not None:
             return (0, fitted[0].cost_flops, fitted[0].peak_bytes), fitted
@@ -369,19 +378,22 @@ def _improved(search, plans, limit_bytes):
                         seen.add(candidate)
                         yield list(candidate)
 
-    def best_of(plans):
-        return min((scored(p) + (p,) for p in plans if p), key=lambda f: f[0], default=None)
+    def best_of(plans, bound=None):
+        """The best of `plans`; those that cost more than a fitting `bound` are not
+        simulated (they cannot beat it, and only a better plan than it is taken)."""
+        return min((scored(p, bound) + (p,) for p in plans if p), key=lambda f: f[0],
+                   default=None)
 
     starts = [ordered(set(plan)) for plan in plans if plan]
     if not starts:
         return None
     score, fitted, plan = best_of(starts)
     for _ in range(LOCAL_SEARCH_ROUNDS):
-        best = best_of(neighbours(plan))
+        best = best_of(neighbours(plan), score)
         if best is None or best[0] >= score:
             # Stuck: a checkpoint more where another moves (one more segment, its
             # boundaries shifted) may fit where neither step alone does.
-            best = best_of(added_and_moved(plan))
+            best = best_of(added_and_moved(plan), score)
         if best is None or best[0] >= score:
             break
         score, fitted, plan = best
@@ -413,6 +425,24 @@ def _cheapest(search, found, limit_bytes):
         held = search.predict(plan, offloaded, allocator=True)
         if held.device_peak_bytes <= limit_bytes:
             return held, plan, offloaded
+    return None
+
+
+def _cheapest_subset(search, plans, limit_bytes):
+    """_cheapest over those of `plans` ((plan, offloaded) pairs) whose live tensors fit.
+    A plan's cost is known from its segments (MemoryModel.cost_of), so plans are
+    simulated a cost at a time, least first, until one fits: the same answer as
+    simulating them all (of 2**10 subsets, most cost more than the answer)."""
+    by_cost = {}
+    for plan, offloaded in plans:
+        by_cost.setdefault(search.cost(plan, offloaded), []).append((plan, offloaded))
+    for cost in sorted(by_cost):
+        predicted = ((search.predict(plan, offloaded), plan, offloaded)
+                     for plan, offloaded in by_cost[cost])
+        found = _cheapest(search, [f for f in predicted if f[0].peak_bytes <= limit_bytes],
+                          limit_bytes)
+        if found is not None:
+            return found
     return None
 
 

@@ -135,18 +135,14 @@ def _recompute(run, index, offloaded, starts, prefetch, back):
         back.append(tid)
         start = starts[min(max(index - prefetch, 0), len(starts) - 1)]
         tensors[tid] = timeline.buffer(start, graph.size[tid], "offloaded back", of_tensor[tid])
-    cost = graph.costs.segment_overhead
     narrowed = segmentation.reads_forward.narrowed
     for tid in _outside_reads(graph, ops, executed, narrowed):
-        cast = graph.producer[tid]
-        cost += graph.cost[cast] + graph.costs.op_overhead
-        step = timeline.step(("recompute", cast, index))
+        step = timeline.step(("recompute", graph.producer[tid], index))
         timeline.use(forward[narrowed[tid]], step)
         tensors[tid] = timeline.buffer(step, graph.size[tid], "recomputed", of_tensor[tid])
     for op in ops:
         if op not in executed:
             continue
-        cost += graph.cost[op] + graph.costs.op_overhead
         step = timeline.step(("recompute", op, index))
         for tid in graph.inputs[op]:
             timeline.use(tensors.get(tid, forward[tid]), step)
@@ -161,7 +157,35 @@ def _recompute(run, index, offloaded, starts, prefetch, back):
             local.folded[op] = timeline.buffer(step, graph.folded[op], "recomputed", of_op[op])
         if op in graph.held:
             local.held[op] = timeline.buffer(step, graph.held[op], "recomputed", of_op[op])
-    return local, cost
+    return local, segment_cost(graph, segmentation, index)
+
+
+def segment_cost(graph, segmentation, index):
+    """What segment `index`'s recomputation costs (memsave.planner.costs units): the
+    segment's overhead, the Cast of each narrowed checkpoint it reads, and each op it
+    runs again, with an op's overhead each (summed in this order: the same float)."""
+    ops = segmentation.ops[segmentation.order[index]]
+    executed = segmentation.executed(segmentation.order[index])
+    op_overhead = graph.costs.op_overhead
+    cost = graph.costs.segment_overhead
+    for tid in _outside_reads(graph, ops, executed, segmentation.reads_forward.narrowed):
+        cost += graph.cost[graph.producer[tid]] + op_overhead
+    for op in ops:
+        if op in executed:
+            cost += graph.cost[op] + op_overhead
+    return cost
+
+
+def plan_costs(graph, segmentation, offloaded=frozenset()):
+    """(the recomputation's cost, the offloaded checkpoints copied back, once per
+    segment reading one) of a plan, as run_segments finds them, without simulating it:
+    a search ranks plans by cost before it simulates any."""
+    recompute, back = 0, []
+    for index, head in enumerate(segmentation.order):
+        recompute += segment_cost(graph, segmentation, index)
+        back += _outside_reads(graph, segmentation.ops[head], segmentation.executed(head),
+                               offloaded)
+    return recompute, back
 
 
 def _outside_reads(graph, ops, executed, among):
