@@ -384,7 +384,7 @@ class StepGraph:
             self.grad_temporaries[index] += xla_buffers.gradient_temporary_bytes(op)
         if self.conv_threads:
             for_filter, for_input = self.kernels.conv_gradient_workspace(
-                op, differentiated, self.conv_threads)
+                op, differentiated, self.conv_threads, self.unknown_dim_size)
             if for_filter or for_input:
                 self.conv_workspaces[index] = (for_filter, for_input)
             # tf.gradients runs the two side by side; the rewrite one after the other.

@@ -7,8 +7,9 @@ is one platform's profile, with the same two functions:
 
 - `workspace_bytes(op, index)`: the bytes of an output the graph gives no shape (a
   batch norm's third reserve space), or None where the profile does not know them;
-- `conv_gradient_workspace(op, differentiated, threads)`: the bytes of the buffers a
-  Conv2D's filter and input gradients allocate besides their results.
+- `conv_gradient_workspace(op, differentiated, threads, unknown_dim_size)`: the bytes
+  of the buffers a Conv2D's filter and input gradients allocate besides their results
+  (unknown dimensions counted as `unknown_dim_size`).
 
 Profiles:
 

@@ -24,7 +24,7 @@ def workspace_bytes(op, index):
     return None
 
 
-def conv_gradient_workspace(op, differentiated, threads):
+def conv_gradient_workspace(op, differentiated, threads, unknown_dim_size=1):
     """(0, 0): cuDNN's convolution workspaces come from a scratch allocator whose
     share of the limit autotuning decides; none is counted (the arguments as
     memsave.planner.kernels.eigen_cpu's)."""

@@ -34,7 +34,7 @@ def workspace_bytes(op, index):
     return None
 
 
-def conv_gradient_workspace(op, differentiated, threads):
+def conv_gradient_workspace(op, differentiated, threads, unknown_dim_size=1):
     """No im2col buffer: (0, 0) for the (filter, input) gradients of any `op` (the
     arguments as memsave.planner.kernels.eigen_cpu's)."""
     return 0, 0
