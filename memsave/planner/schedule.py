@@ -18,9 +18,9 @@ def backward_order(graph, ops):
 
     Returns:
       [(op, beside)]: `beside` is how many of the steps after it start while it runs:
-      those already waiting when it starts (independent of it: another branch's), as
-      many as the executor has further threads (StepGraph.inter_op_threads), 0 in a
-      chain.
+      those already waiting when it starts (independent of it: another branch's) that
+      take a thread (`_takes_a_thread`), as many as the executor has further threads
+      (StepGraph.inter_op_threads); 0 in a chain, and for a step that takes none.
     """
     members = set(ops)
     waiting = {}
@@ -34,7 +34,11 @@ def backward_order(graph, ops):
     order = []
     while ready:
         op = ready.popleft()
-        order.append((op, min(len(ready), further_threads)))
+        beside = 0
+        if further_threads and _takes_a_thread(graph, op):
+            beside = min(sum(1 for other in ready if _takes_a_thread(graph, other)),
+                         further_threads)
+        order.append((op, beside))
         for tid, _ in graph.grad_inputs[op]:
             producer = graph.producer[tid]
             if producer in members:
@@ -45,6 +49,16 @@ def backward_order(graph, ops):
         done = {op for op, _ in order}
         order += [(op, 0) for op in reversed(ops) if op not in done]
     return order
+
+
+def _takes_a_thread(graph, op):
+    """Whether op `op`'s gradient step does work another step could run beside: not
+    where it makes no temporaries and each contribution is its incoming gradient itself
+    (a variable read's, an identity's). Counted as running beside, a Keras MLP's variable
+    reads kept each layer's activation alive a step longer: its fit step at batch 2497 was
+    predicted 86.4 MiB for 83.1 measured (83.9 so; AMD EPYC without AVX-512)."""
+    return bool(graph.grad_temporaries[op]) or not all(
+        graph.gradient_passes_through(op, tid) for tid, _ in graph.grad_inputs[op])
 
 
 def segment_trigger(graph, expected, segmentation, head):
