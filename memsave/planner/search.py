@@ -378,9 +378,7 @@ def _improved(search, plans, limit_bytes):
                         seen.add(candidate)
                         yield list(candidate)
 
-    def best_of(plans, bound=None):
-        """The best of `plans`; those that cost more than a fitting `bound` are not
-        simulated (they cannot beat it, and only a better plan than it is taken)."""
+    def best_of(plans, bound=None):  # (plans costing more than a fitting bound: not simulated)
         return min((scored(p, bound) + (p,) for p in plans if p), key=lambda f: f[0],
                    default=None)
 
@@ -429,10 +427,9 @@ def _cheapest(search, found, limit_bytes):
 
 
 def _cheapest_subset(search, plans, limit_bytes):
-    """_cheapest over those of `plans` ((plan, offloaded) pairs) whose live tensors fit.
-    A plan's cost is known from its segments (MemoryModel.cost_of), so plans are
-    simulated a cost at a time, least first, until one fits: the same answer as
-    simulating them all (of 2**10 subsets, most cost more than the answer)."""
+    """_cheapest over those of `plans` ((plan, offloaded) pairs) whose live tensors fit,
+    simulated a cost at a time (MemoryModel.cost_of), least first, until one fits: the
+    same answer as simulating them all (of 2**10 subsets, most cost more)."""
     by_cost = {}
     for plan, offloaded in plans:
         by_cost.setdefault(search.cost(plan, offloaded), []).append((plan, offloaded))
