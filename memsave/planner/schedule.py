@@ -32,12 +32,17 @@ def backward_order(graph, ops):
     ready = collections.deque(op for op in reversed(ops) if op not in waiting)
     further_threads = max(graph.inter_op_threads, 1) - 1
     order = []
+    takes_a_thread = {}  # (each op asked once: several steps may wait at a time)
+
+    def working(op):
+        if op not in takes_a_thread:
+            takes_a_thread[op] = _takes_a_thread(graph, op)
+        return takes_a_thread[op]
     while ready:
         op = ready.popleft()
         beside = 0
-        if further_threads and _takes_a_thread(graph, op):
-            beside = min(sum(1 for other in ready if _takes_a_thread(graph, other)),
-                         further_threads)
+        if further_threads and working(op):
+            beside = min(sum(1 for other in ready if working(other)), further_threads)
         order.append((op, beside))
         for tid, _ in graph.grad_inputs[op]:
             producer = graph.producer[tid]

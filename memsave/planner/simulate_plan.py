@@ -136,7 +136,8 @@ def _recompute(run, index, offloaded, starts, prefetch, back):
         start = starts[min(max(index - prefetch, 0), len(starts) - 1)]
         tensors[tid] = timeline.buffer(start, graph.size[tid], "offloaded back", of_tensor[tid])
     narrowed = segmentation.reads_forward.narrowed
-    for tid in _outside_reads(graph, ops, executed, narrowed):
+    narrowed_reads = _outside_reads(graph, ops, executed, narrowed)
+    for tid in narrowed_reads:
         step = timeline.step(("recompute", graph.producer[tid], index))
         timeline.use(forward[narrowed[tid]], step)
         tensors[tid] = timeline.buffer(step, graph.size[tid], "recomputed", of_tensor[tid])
@@ -157,18 +158,17 @@ def _recompute(run, index, offloaded, starts, prefetch, back):
             local.folded[op] = timeline.buffer(step, graph.folded[op], "recomputed", of_op[op])
         if op in graph.held:
             local.held[op] = timeline.buffer(step, graph.held[op], "recomputed", of_op[op])
-    return local, segment_cost(graph, segmentation, index)
+    return local, segment_cost(graph, ops, executed, narrowed_reads)
 
 
-def segment_cost(graph, segmentation, index):
-    """What segment `index`'s recomputation costs (memsave.planner.costs units): the
-    segment's overhead, the Cast of each narrowed checkpoint it reads, and each op it
-    runs again, with an op's overhead each (summed in this order: the same float)."""
-    ops = segmentation.ops[segmentation.order[index]]
-    executed = segmentation.executed(segmentation.order[index])
+def segment_cost(graph, ops, executed, narrowed_reads):
+    """What a segment's recomputation costs (memsave.planner.costs units): the segment's
+    overhead, the Cast of each narrowed checkpoint it reads (`narrowed_reads`), and each
+    of its `ops` it runs again (`executed`), with an op's overhead each (summed in this
+    order: the same float)."""
     op_overhead = graph.costs.op_overhead
     cost = graph.costs.segment_overhead
-    for tid in _outside_reads(graph, ops, executed, segmentation.reads_forward.narrowed):
+    for tid in narrowed_reads:
         cost += graph.cost[graph.producer[tid]] + op_overhead
     for op in ops:
         if op in executed:
@@ -181,10 +181,12 @@ def plan_costs(graph, segmentation, offloaded=frozenset()):
     segment reading one) of a plan, as run_segments finds them, without simulating it:
     a search ranks plans by cost before it simulates any."""
     recompute, back = 0, []
-    for index, head in enumerate(segmentation.order):
-        recompute += segment_cost(graph, segmentation, index)
-        back += _outside_reads(graph, segmentation.ops[head], segmentation.executed(head),
-                               offloaded)
+    narrowed = segmentation.reads_forward.narrowed
+    for head in segmentation.order:
+        ops, executed = segmentation.ops[head], segmentation.executed(head)
+        recompute += segment_cost(graph, ops, executed,
+                                  _outside_reads(graph, ops, executed, narrowed))
+        back += _outside_reads(graph, ops, executed, offloaded)
     return recompute, back
 
 
