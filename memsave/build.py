@@ -327,12 +327,12 @@ class _Builder:
         segment's other gradients, and the ops making those; returns all the deferred
         ops."""
         cones = []
+        # The segment's gradients are read later, by segments not yet built: no op
+        # making one may wait, but the deferred one's own.
+        returned = TensorSet(g for g in grads if isinstance(g, tf.Tensor))
         if self.defer:
             deferred_tensors = self.plan.deferred
             tensor_id = self.step_graph.tensor_id
-            # The segment's gradients are read later, by segments not yet built: no op
-            # making one may wait, but the deferred one's own.
-            returned = TensorSet(g for g in grads if isinstance(g, tf.Tensor))
             for t, g in zip(local_inputs, grads):
                 if (isinstance(g, tf.Tensor)
                         and tensor_id.get((t.op, t.value_index)) in deferred_tensors):
@@ -343,9 +343,10 @@ class _Builder:
         self.deferred_cones.append(cones)
         self.other_gradients.append(
             [g for g in grads if isinstance(g, tf.Tensor) and g.op not in deferred])
-        self.backward_ops.append([t.op for g in grads if g is not None for t in (
+        made = [t.op for g in grads if g is not None for t in (
             (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))
-            if t.op not in deferred])
+            if t.op not in deferred]
+        self.backward_ops.append([op for op in made if not _reads_only(op, returned)])
         return deferred
 
     def _defer_weight_gradients(self):
@@ -406,14 +407,10 @@ class _Builder:
         those are all among `trigger_ops`: what follows a trigger waits for these too,
         as the memory model has that segment's backward pass done when its last
         gradient is. Waiting for the trigger alone, an executor ran the next segment's
-        recomputation while a weight gradient still held the segment's activation and
-        incoming gradient. Measured (AMD EPYC without AVX-512, a float64 16 x tanh(256)
-        MLP, batch 2048, a budget's plan recomputing ahead): 59.0-67.5 MiB, median 63.0,
-        for 54.5 predicted; 46.5-63.5, median 50-55.5, with it.
-
-        (The model may start a segment's recomputation ahead earlier than this lets it,
-        where the gradient it waits for is complete before the rest of the backward pass
-        that makes it: an over-prediction, on the safe side.)"""
+        recomputation while a weight gradient still held the segment's activation
+        (AMD EPYC without AVX-512, a float64 16 x tanh(256) MLP's budget plan: median 63.0
+        MiB for 54.5 predicted; 50-55.5 with it). (The model may recompute ahead earlier
+        than this lets it: an over-prediction, on the safe side.)"""
         previous = self.backward_ops[-1] if self.backward_ops else []
         if all(op in trigger_ops for op in previous):  # (a chain's: the trigger is all of it)
             return []
@@ -491,3 +488,13 @@ def _trace_to_originals(copy, made_before):
         original = copy.original(source) if source is not None else None
         if original is not None:
             _tf_private.set_original_op(op, original)
+
+
+def _reads_only(op, tensors):
+    """Whether every input of `op` is one of `tensors` (a TensorSet): a segment's
+    gradient op reading only the gradients it returns (a bias's BiasAddGrad) is not
+    waited for by the next segment's copies. oneDNN's graph pass merges it with the
+    next segment's Conv2DBackpropFilter reading the same gradient, and the wait then
+    closed a cycle ("104 nodes in a cycle": a Keras 2 conv-BN CNN's 'speed' plan ending
+    a segment between a convolution and its bias; AMD EPYC with AVX-512)."""
+    return bool(op.inputs) and all(t in tensors for t in op.inputs)
