@@ -405,6 +405,44 @@ def test_a_bias_add_writes_into_its_input_unless_a_gradient_reads_that():
         assert graph.buffer_of(graph.id_of(logits)) == graph.id_of(logits)
 
 
+def test_an_elementwise_kernel_writes_into_an_input_read_by_it_alone():
+    """A Keras Dense layer, tanh(x @ w + b) with the bias added by AddV2: the add writes
+    into the matmul's buffer and the tanh into that one (TensorFlow's UnaryOp and
+    BinaryOp kernels forward an input nobody reads after them). Counted as a buffer
+    each, an MLP of 36 x tanh(256)'s 'memory' plan was predicted 39.3 MiB for 35.7
+    measured (AMD EPYC with AVX-512): its peak is in a segment's recomputation, where
+    the add and its matmul output were both held. An input a gradient reads (the
+    tanh's output, read by its own) or an op reads twice is not given up, and an
+    output of another size (the bias) is no candidate."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [256, 256])
+        w = tf.compat.v1.placeholder(tf.float32, [256, 256])
+        b = tf.compat.v1.placeholder(tf.float32, [256])
+        matmul = tf.matmul(x, w)
+        added = matmul + b
+        activation = tf.tanh(added)
+        exp = tf.exp(activation)  # (its input is read by the tanh's gradient)
+        square = exp * exp  # (one input, read twice)
+        loss = tf.reduce_sum(square)
+        model = planner.model_of(ForwardRegion.build([loss], [w, b]))
+        graph = model.graph
+        buffer_of = graph.buffer_of
+        assert buffer_of(graph.id_of(added)) == graph.id_of(matmul)
+        assert buffer_of(graph.id_of(activation)) == graph.id_of(matmul)
+        assert buffer_of(graph.id_of(exp)) == graph.id_of(exp)
+        assert buffer_of(graph.id_of(square)) == graph.id_of(square)
+    with tf.Graph().as_default():  # the layer alone: one buffer through it, not two
+        x = tf.compat.v1.placeholder(tf.float32, [256, 256])
+        w = tf.compat.v1.placeholder(tf.float32, [256, 256])
+        b = tf.compat.v1.placeholder(tf.float32, [256])
+        loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w) + b))
+        model = planner.model_of(ForwardRegion.build([loss], [w, b]))
+        curve = model.curve()
+        backward_starts = dict((name, point) for point, name in curve.phases)["backward"]
+        forward_peak = max(curve.live_bytes[:backward_starts])
+        assert forward_peak - model.baseline().resident_bytes < 1.1 * S
+
+
 def test_a_kernel_cannot_write_into_a_buffer_the_plan_keeps():
     """Where a plan keeps the matmul's output (or the logits) for a later segment, BiasAdd
     (or the cross-entropy) cannot write into it: one more logits-sized buffer at the
@@ -761,7 +799,9 @@ def test_lowest_peak_on_small_graphs_is_the_minimum(seed):
     with tf.Graph().as_default():
         model = _random_chain(rng, n_ops=10)
         prediction, _ = search.minimise_peak(model)
-        assert prediction.peak_bytes == _lowest_peak_by_brute_force(model)
+        # (plans within PEAK_TIE of the lowest peak tie: the least recomputation wins)
+        lowest = _lowest_peak_by_brute_force(model)
+        assert lowest <= prediction.peak_bytes <= lowest * (1 + search.PEAK_TIE)
 
 
 def test_greedy_search_on_a_long_chain_keeps_about_sqrt_n():

@@ -43,26 +43,51 @@ def _scaled_by_a_constant(step, tid, reader):
 
 
 def link_forwarded_outputs(step):
-    """An output the kernel writes into an input's buffer (opinfo.FORWARDED_OUTPUTS)
-    shares it, where that input, and every tensor sharing its buffer (a reshape of
-    the logits), is read by the next alone, by no gradient, and it is made in the
-    step. (Whether a plan keeps that buffer for a later segment is the memory
-    model's to check: forward_pass.unforwardable_outputs.)"""
+    """An output the kernel writes into an input's buffer (opinfo.FORWARDED_OUTPUTS;
+    an elementwise kernel's output 0 into the first input of its size and type,
+    opinfo.ELEMENTWISE_KERNELS) shares it, where that input, and every tensor sharing
+    its buffer (a reshape of the logits), is read by the next alone, by no gradient,
+    and it is made in the step. (Whether a plan keeps that buffer for a later segment
+    is the memory model's to check: forward_pass.unforwardable_outputs.)"""
     read_by_gradients = {t for reads in step.grad_reads for t in reads}
     for index, op in enumerate(step.ops):
-        forwarded = opinfo.FORWARDED_OUTPUTS.get(op.type)
-        if forwarded is None or len(step.inputs[index]) != len(op.inputs):
+        if len(step.inputs[index]) != len(op.inputs):
             continue
-        read, out = step.inputs[index][forwarded[0]], step.outputs[index][forwarded[1]]
-        reader, source = index, read
-        while (step.consumers[source] == [reader] and not step.is_y[source]
-               and source not in read_by_gradients):
-            if step.alias_of[source] < 0:  # (the buffer's owner: a reshape of it may be read)
-                if step.kind[step.producer[source]] != RESIDENT:
-                    step.alias_of[out] = read
-                    step.forwarded.add(out)
+        for position, out_position in _forwarding_candidates(step, index, op):
+            read, out = step.inputs[index][position], step.outputs[index][out_position]
+            if _read_last_by(step, read, index, read_by_gradients):
+                step.alias_of[out] = read
+                step.forwarded.add(out)
                 break
-            reader, source = step.producer[source], step.alias_of[source]
+
+
+def _forwarding_candidates(step, index, op):
+    """(input, output) positions the kernel of op `index` may write into, in the
+    order it tries them."""
+    forwarded = opinfo.FORWARDED_OUTPUTS.get(op.type)
+    if forwarded is not None:
+        return [forwarded]
+    if op.type not in opinfo.ELEMENTWISE_KERNELS or not step.outputs[index]:
+        return []
+    out = step.outputs[index][0]
+    if step.alias_of[out] >= 0 or not step.size[out]:
+        return []
+    dtype = step.tensors[out].dtype
+    return [(position, 0) for position, tid in enumerate(step.inputs[index])
+            if step.size[tid] == step.size[out] and step.tensors[tid].dtype == dtype]
+
+
+def _read_last_by(step, tid, reader, read_by_gradients):
+    """Whether op `reader` is the last to read tensor `tid`'s buffer, made in the
+    step: `tid`, and each tensor it shares its buffer with, read by the next op
+    alone and by no gradient, and not a result."""
+    source = tid
+    while (step.consumers[source] == [reader] and not step.is_y[source]
+           and source not in read_by_gradients):
+        if step.alias_of[source] < 0:  # (the buffer's owner: a reshape of it may be read)
+            return step.kind[step.producer[source]] != RESIDENT
+        reader, source = step.producer[source], step.alias_of[source]
+    return False
 
 
 def link_gradients_into_outputs(step):
