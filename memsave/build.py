@@ -346,7 +346,8 @@ class _Builder:
         made = [t.op for g in grads if g is not None for t in (
             (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))
             if t.op not in deferred]
-        self.backward_ops.append([op for op in made if not _reads_only(op, returned)])
+        self.backward_ops.append(
+            [op for op in made if not ordering.made_from_only(op, returned, made_before)])
         return deferred
 
     def _defer_weight_gradients(self):
@@ -489,12 +490,3 @@ def _trace_to_originals(copy, made_before):
         if original is not None:
             _tf_private.set_original_op(op, original)
 
-
-def _reads_only(op, tensors):
-    """Whether every input of `op` is one of `tensors` (a TensorSet): a segment's
-    gradient op reading only the gradients it returns (a bias's BiasAddGrad) is not
-    waited for by the next segment's copies. oneDNN's graph pass merges it with the
-    next segment's Conv2DBackpropFilter reading the same gradient, and the wait then
-    closed a cycle ("104 nodes in a cycle": a Keras 2 conv-BN CNN's 'speed' plan ending
-    a segment between a convolution and its bias; AMD EPYC with AVX-512)."""
-    return bool(op.inputs) and all(t in tensors for t in op.inputs)

@@ -121,6 +121,29 @@ def _holds_large_tensors(op, min_bytes, unknown_dim_size=1):
     return op.type not in SHAPE_READER_OP_TYPES and any(size(t) >= min_bytes for t in op.inputs)
 
 
+def made_from_only(op, tensors, made_before):
+    """Whether `op` computes from `tensors` (a TensorSet) alone: each input is one of
+    them, a constant, a shape read, or made after the op numbered `made_before` by an
+    op that computes so. A segment's gradient op computed from the gradients it returns
+    (a bias's BiasAddGrad, and a Keras bias's reshape of it) holds nothing the next
+    segment does not, and the next segment's copies do not wait for it: oneDNN's graph
+    pass merges a BiasAddGrad with the Conv2DBackpropFilter reading the same gradient,
+    in the next segment, and the wait closed a cycle ("104 nodes in a cycle", a Keras 2
+    conv-BN CNN's 'speed' plan; "7 nodes", a Keras ViT's patch convolution under a
+    budget; AMD EPYC with AVX-512)."""
+    known = {}
+
+    def computed_so(node):
+        if node not in known:
+            known[node] = False  # (until shown: a cycle of the walk is not)
+            known[node] = node.type == "Const" if not node.inputs else all(
+                t in tensors or t.op.type in SHAPE_READER_OP_TYPES or t.op.type == "Const"
+                or (_tf_private.creation_index(t.op) > made_before and computed_so(t.op))
+                for t in node.inputs)
+        return known[node]
+    return computed_so(op)
+
+
 def one_after_another(ops):
     """Each of `ops` (as large_ops_needed_by orders them) waits for the one before it,
     through control inputs. An op's inputs exist before it is made, so every edge runs

@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import (  # noqa: E402
-    bench_rewrite_time, compare, graph_kinds, models, peak_breakdown, step_peaks,
+    bench_rewrite_time, capacity, compare, graph_kinds, models, peak_breakdown, step_peaks,
     time_breakdown)
 from memsave import measure  # noqa: E402
 
@@ -257,6 +257,33 @@ def test_jit_notes_give_hlo_ops_and_xla_buffers_and_fit_finds_a_cap_above_them(c
         buffers_mb = float(note.split("XLA buffers ")[1].split(" MiB")[0])
         fits_mb = int(row.split()[-2])
         assert buffers_mb <= fits_mb <= math.ceil(buffers_mb * compare.FIT_TOLERANCE) + 8, printed
+
+
+@pytest.mark.parametrize("uncapped_mib, counted_out", [(103.4, True), (88.1, False)])
+def test_a_capped_step_that_crashes_is_out_of_memory_only_if_it_needs_more(
+        monkeypatch, uncapped_mib, counted_out):
+    """With oneDNN on, a capped step whose allocation fails crashed (SIGSEGV, nothing on
+    stderr): plain Keras' MLP at 1.2x its answer, which needs 103.4 MiB uncapped under a
+    cap of 96 (AMD EPYC with AVX-512). The crash counts as out of memory only where the
+    uncapped step needs more than the cap."""
+    limit = 96 << 20
+    calls = []
+
+    def run_isolated(target, timeout=None, env=None, **kwargs):
+        calls.append(kwargs["limit_mb"])
+        if kwargs["limit_mb"] == 96:
+            raise measure.IsolatedRunError("crashed", returncode=-11, stderr="")
+        return {"oom": False, "peak": int(uncapped_mib * 2**20)}
+
+    monkeypatch.setattr(measure, "run_isolated", run_isolated)
+    if counted_out:
+        result = capacity._capped("mlp", 3210, limit, False, "adam", 60)
+        assert result["oom"] and result["crashed"] == 11
+        assert "out of memory (signal 11 under the cap; 103.4 MiB uncapped)" == capacity._ran(result)
+    else:
+        with pytest.raises(measure.IsolatedRunError, match="crashed"):
+            capacity._capped("mlp", 3210, limit, False, "adam", 60)
+    assert calls == [96, 96 * capacity.UNCAPPED_FACTOR]
 
 
 def test_fitting_cap_finds_the_smallest_cap_within_tolerance():

@@ -99,6 +99,29 @@ def test_no_segment_waits_for_a_bias_gradient_onednn_merges_into_the_next():
     assert not [c.name for op in waits for c in op.control_inputs if c.type == "BiasAddGrad"]
 
 
+def test_a_gradient_computed_from_returned_gradients_alone_is_not_waited_for():
+    """ordering.made_from_only: a bias's gradient, BiasAddGrad of a gradient the
+    segment returns and Keras 3's reshape of it, computes from that gradient alone (a
+    Keras ViT's patch convolution under a budget closed a 7-node cycle when the next
+    segment waited for it, AMD EPYC with AVX-512); a kernel's, which reads the
+    activation too, does not, nor an op reading a tensor made before the segment."""
+    from memsave import ordering
+    from memsave.graph.select import TensorSet
+    with tf.Graph().as_default() as graph:
+        activation = tf.compat.v1.placeholder(tf.float32, [16, 8])
+        returned = tf.compat.v1.placeholder(tf.float32, [16, 4])
+        made_before = len(graph.get_operations()) - 1
+        bias = tf.reshape(tf.raw_ops.BiasAddGrad(out_backprop=returned), [1, 4])
+        kernel = tf.matmul(activation, returned, transpose_a=True)
+        shape_only = tf.zeros(tf.shape(activation)) + tf.reduce_sum(returned)
+        forward = activation * 2.0
+        tensors = TensorSet([returned])
+        assert ordering.made_from_only(bias.op, tensors, made_before)
+        assert ordering.made_from_only(shape_only.op, tensors, made_before)
+        assert not ordering.made_from_only(kernel.op, tensors, made_before)
+        assert not ordering.made_from_only(forward.op, tensors, made_before)
+
+
 def _fitted(model, x, y, patched):
     """The loss of one epoch of `model.fit` (three batches, compiled with Adam), under
     memsave.patch("memory") where `patched`."""
