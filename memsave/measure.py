@@ -144,7 +144,8 @@ def reserve_one_region(limit_mb):
         if size_mb <= 0:
             break
         try:
-            block = tf.raw_ops.Empty(shape=[size_mb << 20], dtype=tf.uint8, init=False)
+            # (two dimensions: Empty's shape is int32, and 2 GiB or more in one overflows it)
+            block = tf.raw_ops.Empty(shape=[size_mb, 1 << 20], dtype=tf.uint8, init=False)
         except tf.errors.ResourceExhaustedError:
             continue
         del block

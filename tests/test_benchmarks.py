@@ -286,6 +286,22 @@ def test_a_capped_step_that_crashes_is_out_of_memory_only_if_it_needs_more(
     assert calls == [96, 96 * capacity.UNCAPPED_FACTOR]
 
 
+def _reserved_region(limit_mb):
+    import tensorflow as tf
+    reserved = measure.reserve_one_region(limit_mb)
+    return {"reserved": reserved, "peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+
+
+def test_one_region_of_two_gib_or_more_is_reserved():
+    """capacity.py's uncapped rerun of a crashed 1 GiB step asks for a region of 4 GiB;
+    one dimension of that many bytes overflowed Empty's int32 shape."""
+    got = measure.run_isolated("test_benchmarks:_reserved_region", limit_mb=2100,
+                               env=dict(measure.memory_limit_env(2100),
+                                        PYTHONPATH=str(Path(__file__).parent)))
+    assert got["reserved"] is not None and got["reserved"] >= 2100 - 32
+    assert got["peak"] >= got["reserved"] << 20
+
+
 def test_fitting_cap_finds_the_smallest_cap_within_tolerance():
     for need in (7, 87.3, 410.5):
         probed = []
