@@ -489,4 +489,3 @@ def _trace_to_originals(copy, made_before):
         original = copy.original(source) if source is not None else None
         if original is not None:
             _tf_private.set_original_op(op, original)
-

@@ -242,28 +242,20 @@ _given_each("forwarded_output", {"SparseSoftmaxCrossEntropyWithLogits": (0, 1),
 
 # Ops whose gradient is elementwise, made by elementwise kernels (cwise_ops_common.h's
 # UnaryOp and BinaryOp, the *Grad kernels of tanh, sigmoid, relu, ...), which write
-# their output into an input of its shape and dtype they read last.
+# their output into an input of its shape and dtype they read last. Their own kernels
+# are elementwise too (UnaryOp, UnaryElementWiseOp, BinaryOp): each writes its output
+# into the first input of the output's shape and type that nothing reads after it
+# (`forward_input_or_allocate_output({0, 1}, 0, ...)`). A Keras Dense layer's `x @ w + b`
+# then `tanh` holds one buffer, not two for a moment: a 'memory' plan's peak is in a
+# segment's recomputation, where an MLP of 36 x tanh(256) was predicted 39.3 MiB for
+# 35.7 measured without this (AMD EPYC with AVX-512).
 _given([
     "Neg", "Abs", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal",
     "Inv", "Tanh", "Sigmoid", "Erf", "Erfc", "Sin", "Cos", "Tan", "Sinh", "Cosh", "Asin",
     "Acos", "Atan", "Asinh", "Acosh", "Atanh", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu",
     "Softplus", "Softsign", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan",
     "MulNoNan", "Maximum", "Minimum", "SquaredDifference", "Pow", "Atan2", "Xlogy", "Xdivy",
-], elementwise_gradient=True)
-
-# The same ops' own kernels are elementwise too (UnaryOp, UnaryElementWiseOp, BinaryOp):
-# each writes its output into the first input of the output's shape and type that
-# nothing reads after it (`forward_input_or_allocate_output({0, 1}, 0, ...)`). A Keras
-# Dense layer's `x @ w + b` then `tanh` holds one buffer, not two for a moment: a
-# 'memory' plan's peak is in a segment's recomputation, where an MLP of 36 x tanh(256)
-# was predicted 39.3 MiB for 35.7 measured without this (AMD EPYC with AVX-512).
-_given([
-    "Neg", "Abs", "Exp", "Expm1", "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal",
-    "Inv", "Tanh", "Sigmoid", "Erf", "Erfc", "Sin", "Cos", "Tan", "Sinh", "Cosh", "Asin",
-    "Acos", "Atan", "Asinh", "Acosh", "Atanh", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu",
-    "Softplus", "Softsign", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan",
-    "MulNoNan", "Maximum", "Minimum", "SquaredDifference", "Pow", "Atan2", "Xlogy", "Xdivy",
-], elementwise_kernel=True)
+], elementwise_gradient=True, elementwise_kernel=True)
 
 # Gradients written into the buffer of an output of the op that only they read: op type
 # -> (input, output). The sparse cross-entropy's gradient is its backprop output times
