@@ -112,11 +112,11 @@ def _strategy_gradient_fn(strategy, model, offload=False):
     elif strategy in MEMSAVE_STRATEGIES:
         def compute(ys, xs):
             return memsave.gradients(ys, xs, checkpoints=strategy, offload=offload)
-    elif strategy.startswith("budget:"):
-        limit = _budget_limit(strategy)
+    elif strategy.startswith(("budget:", TIME_BUDGET)):
+        budget = budget_of(strategy)
 
         def compute(ys, xs):
-            return memsave.gradients(ys, xs, checkpoints=memsave.budget(limit), offload=offload)
+            return memsave.gradients(ys, xs, checkpoints=budget, offload=offload)
     elif strategy.startswith(CALIBRATED_BUDGET + ":"):
         limit = _budget_limit(strategy)
 
@@ -137,7 +137,7 @@ def _strategy_gradient_fn(strategy, model, offload=False):
         return _tape_gradient_fn(strategy, offload)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; use {BASELINE}, "
-                         f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F, calibrated-budget:F, "
+                         f"{', '.join(MEMSAVE_STRATEGIES)}, budget:F, time:T, calibrated-budget:F, "
                          "every:K, tape:S or patched-tape:S (S a strategy name)")
 
     timings = {"grad_build_s": 0.0}
@@ -216,6 +216,24 @@ def _tape_gradient_fn(strategy, offload=False):
         return result
     grad_fn.gradient = gradient
     return grad_fn, timings
+
+
+TIME_BUDGET = "time:"
+
+
+def budget_of(strategy):
+    """memsave.budget of 'budget:F' or 'budget:NMiB' (_budget_limit), or of 'time:T':
+    the lowest predicted peak within T times tf.gradients' predicted step time
+    (memsave.budget(time=T))."""
+    import memsave
+
+    if strategy.startswith(TIME_BUDGET):
+        try:
+            return memsave.budget(time=float(strategy[len(TIME_BUDGET):]))
+        except ValueError:
+            raise ValueError(f"{strategy!r}: use time:T with a step-time ratio T, e.g. "
+                             "time:1.2") from None
+    return memsave.budget(_budget_limit(strategy))
 
 
 def _budget_limit(strategy):
@@ -1077,6 +1095,8 @@ def main(argv=None):
     parser.add_argument("--strategies", default=None,
                         help="comma-separated, from tf.gradients, speed, memory, collection, "
                              "budget:F (memsave.budget(F), F a fraction or e.g. 200MiB), "
+                             "time:T (memsave.budget(time=T): the lowest peak within T times "
+                             "tf.gradients' predicted step time), "
                              "calibrated-budget:F (the same, with the step measured first by "
                              "memsave.calibrate_memory), every:K "
                              "(explicit list: every K-th block output), tape:S (the step recorded "

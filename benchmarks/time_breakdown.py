@@ -57,14 +57,14 @@ def _checkpoints(strategy, changes=None):
     import memsave
     from memsave import strategies
 
-    if strategy.startswith("budget:"):  # (a fraction or bytes, as compare.py reads it)
-        from benchmarks.compare import _budget_limit
-        checkpoints = memsave.budget(_budget_limit(strategy))
+    if strategy.startswith(("budget:", "time:")):  # (as compare.py reads them)
+        from benchmarks.compare import budget_of
+        checkpoints = budget_of(strategy)
     elif strategy in strategies.STRATEGIES:
         checkpoints = strategy
     else:
         raise SystemExit(f"--strategy is {strategy!r}; expected one of "
-                         f"{', '.join(sorted(strategies.STRATEGIES))} or budget:F")
+                         f"{', '.join(sorted(strategies.STRATEGIES))}, budget:F or time:T")
     if not changes:
         return checkpoints
     planner = strategies.STRATEGIES[checkpoints] if isinstance(checkpoints, str) else checkpoints

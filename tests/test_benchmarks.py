@@ -491,6 +491,25 @@ def test_picture_draws_the_plan_against_tf_gradients_without_running(capsys):
         compare.main(["--model", "mlp", "--depth", "4", "--picture", "--strategies", "every:2"])
 
 
+def test_a_time_budget_is_a_strategy_the_benchmarks_run():
+    """'time:T' is memsave.budget(time=T), the other corner of the trade (issue 47), in
+    compare.py and time_breakdown.py alike."""
+    assert repr(compare.budget_of("time:1.2")) == "memsave.budget(time=1.2)"
+    assert repr(compare.budget_of("budget:0.5")) == "memsave.budget(0.5)"
+    assert repr(time_breakdown._checkpoints("time:1.25")) == "memsave.budget(time=1.25)"
+    with pytest.raises(ValueError, match="time:T with a step-time ratio"):
+        compare.budget_of("time:fast")
+    grad_fn, _ = compare._strategy_gradient_fn("time:1.3", None)
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 64])
+        h = x
+        for _ in range(12):
+            h = tf.tanh(h)
+        grads = grad_fn(tf.reduce_sum(h), [x])
+    import memsave
+    assert grads[0] is not None and memsave.last_report().strategy == "budget(time=1.3)"
+
+
 def test_time_breakdown_sums_the_recomputed_ops_apart_and_times_the_plan_without_its_order():
     result = time_breakdown.measure_breakdown("mlp", "memory", depth=8, batch=256, steps=1,
                                               profiled=1, variants=True)
