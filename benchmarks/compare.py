@@ -112,7 +112,7 @@ def _strategy_gradient_fn(strategy, model, offload=False):
     elif strategy in MEMSAVE_STRATEGIES:
         def compute(ys, xs):
             return memsave.gradients(ys, xs, checkpoints=strategy, offload=offload)
-    elif strategy.startswith(("budget:", TIME_BUDGET)):
+    elif strategy.startswith(BUDGETS):
         budget = budget_of(strategy)
 
         def compute(ys, xs):
@@ -219,6 +219,7 @@ def _tape_gradient_fn(strategy, offload=False):
 
 
 TIME_BUDGET = "time:"
+BUDGETS = ("budget:", TIME_BUDGET)  # (the prefixes budget_of reads)
 
 
 def budget_of(strategy):
@@ -1029,13 +1030,13 @@ def draw_picture(args):
     from memsave import environment
 
     strategy = next((s for s in _parse_list(args.strategies) or [] if s != BASELINE), "memory")
-    if strategy.startswith("budget:"):
-        checkpoints = memsave.budget(_budget_limit(strategy))
+    if strategy.startswith(BUDGETS):
+        checkpoints = budget_of(strategy)
     elif strategy in MEMSAVE_STRATEGIES:
         checkpoints = strategy
     else:
-        raise SystemExit(f"--picture draws one of {', '.join(MEMSAVE_STRATEGIES)} or budget:F, "
-                         f"not {strategy!r}")
+        raise SystemExit(f"--picture draws one of {', '.join(MEMSAVE_STRATEGIES)}, budget:F or "
+                         f"time:T, not {strategy!r}")
     options = {k: v for k, v in (("app", args.app), ("image_size", args.image_size),
                                  ("seq_len", args.seq_len)) if v is not None}
     bench = build_model(args.model, depth=args.depth, batch=args.batch, seed=args.seed, **options)

@@ -59,8 +59,7 @@ def _gradients(loss, variables, strategy):
     if strategy == BASELINE:
         return tf.gradients(loss, variables), memsave.plan(loss, variables, "memory")
     strategy, chunked, chunk = strategy.partition("+chunk:")  # (as compare.py reads it)
-    name, _, fraction = strategy.partition("budget:")
-    checkpoints = memsave.budget(float(fraction)) if not name and fraction else strategy
+    checkpoints = compare.budget_of(strategy) if strategy.startswith(compare.BUDGETS) else strategy
     with memsave.recompute_loops(None, chunk=int(chunk) if chunked and chunk != "auto"
                                  else "auto"):
         return memsave.gradients(loss, variables, checkpoints=checkpoints), memsave.last_report()

@@ -57,8 +57,8 @@ def _checkpoints(strategy, changes=None):
     import memsave
     from memsave import strategies
 
-    if strategy.startswith(("budget:", "time:")):  # (as compare.py reads them)
-        from benchmarks.compare import budget_of
+    from benchmarks.compare import BUDGETS, budget_of
+    if strategy.startswith(BUDGETS):  # (as compare.py reads them)
         checkpoints = budget_of(strategy)
     elif strategy in strategies.STRATEGIES:
         checkpoints = strategy
