@@ -94,6 +94,13 @@ class Environment:
         return not self.under_xla
 
     @property
+    def may_read_last_segment(self):
+        """Whether the last segment may read its tensors as the forward pass made them:
+        not under XLA, for the reason checkpoints may not be read there (the same small
+        CNN's buffers: 0.47x of tf.gradients' with the last segment read, 0.41x without)."""
+        return self.may_read_checkpoints
+
+    @property
     def may_recompute_ahead(self):
         """Whether segments may recompute ahead (MemoryModel.predict's recompute_ahead):
         not under XLA, which orders the copies by the data they read and schedules

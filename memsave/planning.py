@@ -63,6 +63,8 @@ class Plan:
       reads_checkpoints: segments read the checkpoint they end at as the forward pass
         made it (ForwardReads), not from a recomputed copy.
       recomputes_ahead: each segment's copies wait for the previous segment's trigger.
+      reads_last_segment: the last segment's gradients read its tensors as the forward
+        pass made them (ForwardReads): it recomputes nothing.
       orders_backward: each segment's large gradient ops run one after another: those
         whose outputs hold at least `large_bytes`, or that read a tensor that large.
       large_bytes: 1/16 of the step's largest tensor.
@@ -100,6 +102,7 @@ class Plan:
     offload: Optional[offload_lib.Offload] = None
     reads_checkpoints: bool = False
     recomputes_ahead: bool = False
+    reads_last_segment: bool = False
     orders_backward: bool = False
     large_bytes: int = 0
     serializes_conv_gradients: bool = False
@@ -154,7 +157,7 @@ class Plan:
             beside_bytes=self.beside.resident_bytes if self.beside else 0,
             beside_source=self.beside.source if self.beside else None,
             reads_checkpoints=self.reads_checkpoints, recomputes_ahead=self.recomputes_ahead,
-            orders_backward=self.orders_backward,
+            reads_last_segment=self.reads_last_segment, orders_backward=self.orders_backward,
             loops=[(graph.ops[op].name, report_lib.loop_line(
                 memory, why_loop_kept(memory, graph.loop_mode, self.fallback is not None)))
                    for op, memory in sorted(graph.loops.items())])
@@ -241,9 +244,11 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         # replay reuses the search's last simulation where it is the chosen plan's)
         baseline_curve=model.curve(),
         curve=model.curve(ids, offloaded_ids, problem.offload.prefetch if offloaded_ids else 1,
-                          prediction.reads_checkpoints, prediction.recomputes_ahead),
+                          prediction.reads_checkpoints, prediction.recomputes_ahead,
+                          read_last_segment=prediction.reads_last_segment),
         reads_checkpoints=prediction.reads_checkpoints,
         recomputes_ahead=prediction.recomputes_ahead,
+        reads_last_segment=prediction.reads_last_segment,
         # Not under XLA (which drops control inputs), nor where TensorFlow's own CPU
         # convolution gradients run pairwise one after the other: their control inputs
         # point from a filter gradient to the input gradient made before it, and a chain
@@ -252,7 +257,9 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
                          and not serializes_conv_gradients),
         large_bytes=graph.largest_bytes // _LARGE_FRACTION,
         serializes_conv_gradients=serializes_conv_gradients,
-        forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints),
+        forward_reads=ForwardReads(graph, set(ids), offloaded_ids, prediction.reads_checkpoints,
+                                   segmentation.last_segment_tensors()
+                                   if prediction.reads_last_segment else ()),
         deferred=frozenset(graph.deferred_tensors),
         recomputed_loops=frozenset(graph.ops[op] for op in graph.recomputed_loops()),
         loop_chunks=tuple((graph.ops[op], graph.loops[op].chunk)
@@ -439,11 +446,37 @@ def _no_checkpoints_message(strategy_name, region):
 
 def _final_prediction(model, environment, selection, checkpoints, offloaded, options):
     """The prediction of the chosen plan: whether its segments read their checkpoints
-    (_reading_or_recomputing), then whether they recompute ahead (_ahead_or_not)."""
+    (_reading_or_recomputing), whether its last segment is read from the forward pass
+    (_last_segment_read_or_recomputed), then whether they recompute ahead
+    (_ahead_or_not)."""
     prediction = _reading_or_recomputing(model, environment, selection.read_checkpoints,
                                          checkpoints, offloaded, options)
+    if environment.may_read_last_segment:
+        prediction = _last_segment_read_or_recomputed(model, checkpoints, offloaded, options,
+                                                      prediction)
     return _ahead_or_not(model, environment, selection.recompute_ahead, checkpoints,
                          offloaded, prediction)
+
+
+def _last_segment_read_or_recomputed(model, checkpoints, offloaded, options, prediction):
+    """`prediction`, or that of the same plan whose last segment's gradients read its
+    tensors as the forward pass made them (MemoryModel.predict's read_last_segment)
+    where that recomputes less and keeps the predicted peak within
+    _FREE_PEAK_TOLERANCE: the last segment's backward pass starts as the forward pass
+    ends, so its recomputation would make again what is still there, unless forward
+    ops that run after it (a side branch feeding the loss) hold the peak."""
+    extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
+    reads = prediction.reads_checkpoints
+    reading = model.predict(checkpoints, offloaded, *extra, read_checkpoints=reads,
+                            read_last_segment=True)
+    within = 1 + _FREE_PEAK_TOLERANCE
+    if (reading.cost_flops >= prediction.cost_flops
+            or reading.peak_bytes > prediction.peak_bytes * within):
+        return prediction
+    reading = model.predict(checkpoints, offloaded, *extra, allocator=True,
+                            read_checkpoints=reads, read_last_segment=True)
+    return reading if reading.device_peak_bytes <= prediction.device_peak_bytes * within \
+        else prediction
 
 
 def _ahead_or_not(model, environment, chosen, checkpoints, offloaded, prediction):
@@ -458,13 +491,14 @@ def _ahead_or_not(model, environment, chosen, checkpoints, offloaded, prediction
     if chosen is False or offloaded or not environment.may_recompute_ahead:
         return prediction
     within = 1 + _FREE_PEAK_TOLERANCE
-    reads = prediction.reads_checkpoints
+    reads, last = prediction.reads_checkpoints, prediction.reads_last_segment
     if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
-        ahead = model.predict(checkpoints, recompute_ahead=True, read_checkpoints=reads)
+        ahead = model.predict(checkpoints, recompute_ahead=True, read_checkpoints=reads,
+                              read_last_segment=last)
         if ahead.peak_bytes > prediction.peak_bytes * within:
             return prediction
     ahead = model.predict(checkpoints, allocator=True, recompute_ahead=True,
-                          read_checkpoints=reads)
+                          read_checkpoints=reads, read_last_segment=last)
     if chosen or ahead.device_peak_bytes <= prediction.device_peak_bytes * within:
         return ahead
     return prediction

@@ -85,7 +85,10 @@ class RewriteReport:
     `recomputes_ahead` says whether each segment's recomputation waits for the gradient
     the segment after it waits for rather than its own, so it runs beside that
     segment's backward pass, off the critical path of an executor that runs ops side
-    by side (chosen on the same terms). `orders_backward` says whether each segment's
+    by side (chosen on the same terms). `reads_last_segment` says whether the last
+    segment's gradients read its tensors as the forward pass made them, which it has
+    just made, so that it recomputes nothing (chosen on the same terms: a language
+    model's head and loss are not run twice). `orders_backward` says whether each segment's
     large gradient ops (large outputs, or reading a large tensor) run one after another,
     in the order tf.gradients made them but an op's weight gradient before its input
     gradient, so that an executor running ops side by side holds what the memory model
@@ -132,6 +135,7 @@ class RewriteReport:
     deferred_gradients: int = 0
     reads_checkpoints: bool = False
     recomputes_ahead: bool = False
+    reads_last_segment: bool = False
     orders_backward: bool = False
     predicted_segments: int = 0
     predicted_recomputed_ops: int = 0
@@ -276,7 +280,9 @@ class RewriteReport:
         if self.segments:
             lines += ["recomputed segments (in backward order; each "
                       + ("reads" if self.reads_checkpoints else "recomputes")
-                      + " the checkpoint it ends at):"]
+                      + " the checkpoint it ends at"
+                      + ("; the last one reads what the forward pass made" if
+                         self.reads_last_segment else "") + "):"]
             lines += [f"  ends at {', '.join(s.ends_at)[:60]:<60} {s.recomputed_ops:>5} ops "
                       f"{_mb(s.recomputed_bytes):>10}" for s in self.segments]
         return "\n".join(lines)

@@ -189,6 +189,38 @@ def test_memory_never_recomputes_ahead_even_where_the_model_calls_it_free():
     assert not lowest.recomputes_ahead
 
 
+def test_the_last_segment_is_recomputed_where_reading_it_would_raise_the_peak():
+    """The last segment's gradients read its tensors as the forward pass made them where
+    that holds no more than recomputing them; not where forward ops that run after it hold
+    the peak: here a max of a 32x tiled copy of x, which the model runs after the tanh
+    chain, would then have the last segment's six outputs beside it."""
+    def planned(with_tile):
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [256, 256], name="x")
+            h, outs = x, []
+            for _ in range(24):
+                h = tf.tanh(h)
+                outs.append(h)
+            loss = tf.reduce_sum(h)
+            if with_tile:
+                loss += tf.stop_gradient(tf.reduce_max(tf.tile(x, [32, 1])))
+            checkpoints = [outs[5], outs[11], outs[17]]
+            report = memsave.plan(loss, [x], checkpoints=checkpoints)
+            model = planner.model_of(ForwardRegion.build([loss], [x]))
+            return report, [model.predict(_ids(model, checkpoints), read_last_segment=read)
+                            for read in (False, True)]
+
+    report, (recomputing, reading) = planned(with_tile=True)
+    assert reading.peak_bytes >= recomputing.peak_bytes + 3 * S
+    assert reading.peak_at == "forward pass, at Max"
+    assert not report.reads_last_segment
+    assert report.predicted_peak_bytes == recomputing.peak_bytes
+    report, (recomputing, reading) = planned(with_tile=False)
+    assert reading.peak_bytes == recomputing.peak_bytes
+    assert reading.recompute_flops < recomputing.recompute_flops
+    assert report.reads_last_segment
+
+
 def test_no_gradient_goes_through_stop_gradient_shape_or_comparisons():
     """tf.gradients sends nothing through a StopGradient, a Shape or a comparison: the
     model neither counts a gradient buffer for their inputs nor waits for one (it held

@@ -58,14 +58,18 @@ def test_report_counts_segments_and_recomputed_bytes(caplog):
     report = memsave.last_report()
     assert len(report.segments) == len(report.checkpoints) + 1
     assert report.copied_ops == 17  # every region op copied exactly once on a chain
-    # Of those, the 16 tanh run; the loss's copy (a sum, whose gradient reads nothing)
-    # does not. Reading the checkpoints instead of recomputing them would hold each
-    # through the next segment's backward pass, a higher peak on a chain: not chosen.
-    assert not report.reads_checkpoints
-    assert report.recomputed_ops == 16
-    assert report.recomputed_bytes == 16 * 64 * 64 * 4
-    assert "segments recompute 16 ops" in report.summary()
+    # Of those, the tanh of every segment but the last run: the last one (its 4 tanh and
+    # the loss, first in backward order) reads what the forward pass has just made, and
+    # the loss's copy (a sum, whose gradient reads nothing) would not run anyway.
+    # Reading the checkpoints instead of recomputing them would hold each through the
+    # next segment's backward pass, a higher peak on a chain: not chosen.
+    assert not report.reads_checkpoints and report.reads_last_segment
+    assert report.segments[0].copied_ops == 5 and report.segments[0].recomputed_ops == 0
+    assert report.recomputed_ops == 12
+    assert report.recomputed_bytes == 12 * 64 * 64 * 4
+    assert "segments recompute 12 ops" in report.summary()
     text = report.format()
+    assert "the last one reads what the forward pass made" in text
     for c in report.checkpoints:
         assert c.name in text
     assert "recomputed segments" in text

@@ -67,6 +67,8 @@ class Prediction:
       deferred_gradients: gradients made after the last segment (StepGraph.deferred).
       reads_checkpoints: whether the plan's segments read their checkpoints as the
         forward pass made them (MemoryModel.predict's read_checkpoints).
+      reads_last_segment: whether the last segment's gradients read its tensors as
+        the forward pass made them (MemoryModel.predict's read_last_segment).
       recomputes_ahead: whether each segment's recomputation may run beside the
         backward pass of the segment after it (MemoryModel.predict's recompute_ahead).
       allocator_peak_bytes: what the device's allocator holds at its peak, chunks
@@ -91,6 +93,7 @@ class Prediction:
     allocator_peak_at: Optional[str] = None
     reads_checkpoints: bool = False
     recomputes_ahead: bool = False
+    reads_last_segment: bool = False
 
     @property
     def device_peak_bytes(self):
@@ -151,7 +154,8 @@ class MemoryModel:
                             lambda replay: self._simulate(_BASELINE, None, replay=replay))
 
     def predict(self, checkpoints, offloaded=(), prefetch=1, flops_per_byte=None,
-                allocator=False, read_checkpoints=False, recompute_ahead=False):
+                allocator=False, read_checkpoints=False, recompute_ahead=False,
+                read_last_segment=False):
         """The step as the rewrite builds it with these checkpoint tensor ids.
 
         Args:
@@ -173,24 +177,29 @@ class MemoryModel:
             one thread, recomputation leaves the critical path; its tensors are alive
             for that backward pass too (simulated: it runs as soon as that gradient
             is complete, which may be before the backward pass that makes it ends).
+          read_last_segment: the last segment's gradients read its tensors as the
+            forward pass made them, which it has just made: nothing of it is
+            recomputed (Segmentation).
         Returns:
           A Prediction.
         """
         if flops_per_byte is None:
             flops_per_byte = costs.DEFAULT_FLOPS_PER_BYTE
         key = _plan_key(checkpoints, offloaded, prefetch, flops_per_byte, read_checkpoints,
-                        recompute_ahead)
+                        recompute_ahead, read_last_segment)
         return self._cached(key, allocator, lambda replay: self._simulate(
             key, self._segmentation(key), frozenset(key[1]), prefetch, flops_per_byte,
             replay=replay, ahead=bool(recompute_ahead)))
 
-    def cost_of(self, checkpoints, offloaded=(), flops_per_byte=None, read_checkpoints=False):
+    def cost_of(self, checkpoints, offloaded=(), flops_per_byte=None, read_checkpoints=False,
+                read_last_segment=False):
         """The cost_flops of predict's Prediction for this plan (arguments as predict's),
         found from its segments alone: no simulation, so a search can rank every plan by
         cost and simulate only the cheapest."""
         if flops_per_byte is None:
             flops_per_byte = costs.DEFAULT_FLOPS_PER_BYTE
-        key = _plan_key(checkpoints, offloaded, 1, flops_per_byte, read_checkpoints, False)
+        key = _plan_key(checkpoints, offloaded, 1, flops_per_byte, read_checkpoints, False,
+                        read_last_segment)
         prediction = self._predictions.get(key)
         if prediction is not None:
             return prediction.cost_flops
@@ -224,11 +233,12 @@ class MemoryModel:
                 self._largest_at(timeline, at, top))
 
     def curve(self, checkpoints=None, offloaded=(), prefetch=1, read_checkpoints=False,
-              recompute_ahead=False, top=5):
+              recompute_ahead=False, top=5, read_last_segment=False):
         """The live bytes over the step of a plan (tf.gradients' where `checkpoints` is
         None), for pictures: a memsave.planner.curves.Curve (arguments as predict's)."""
         timeline, segmentation = self.simulated(checkpoints, offloaded, prefetch,
-                                                 read_checkpoints, recompute_ahead)
+                                                 read_checkpoints, recompute_ahead,
+                                                 read_last_segment)
         _, at = timeline.peak()
         live = intervals.live_per_step(timeline.starts, timeline.ends, timeline.bytes,
                                        len(timeline.labels))
@@ -283,10 +293,10 @@ class MemoryModel:
         return prediction
 
     def _segmentation(self, key):
-        return Segmentation(self.graph, key[0], key[1], key[3])
+        return Segmentation(self.graph, key[0], key[1], key[3], key[5])
 
     def simulated(self, checkpoints=None, offloaded=(), prefetch=1, read_checkpoints=False,
-                  recompute_ahead=False):
+                  recompute_ahead=False, read_last_segment=False):
         """(timeline, segmentation) of a plan simulated now (tf.gradients' where
         `checkpoints` is None, with segmentation None; arguments as predict's): the
         step as the model runs it, for a curve, the largest tensors at its peak, or a
@@ -294,7 +304,7 @@ class MemoryModel:
         if checkpoints is None:
             return self._step(None).timeline, None
         key = _plan_key(checkpoints, offloaded, prefetch, costs.DEFAULT_FLOPS_PER_BYTE,
-                        read_checkpoints, recompute_ahead)
+                        read_checkpoints, recompute_ahead, read_last_segment)
         segmentation = self._segmentation(key)
         step = self._step(segmentation, frozenset(key[1]), prefetch, bool(recompute_ahead))
         return step.timeline, segmentation
@@ -345,6 +355,7 @@ class MemoryModel:
             reads_checkpoints=(segmentation is not None
                                and segmentation.reads_forward.read_checkpoints),
             recomputes_ahead=segmentation is not None and ahead,
+            reads_last_segment=segmentation is not None and segmentation.reads_last_segment,
             **(self._replayed(timeline, segmentation) if replay else {}))
 
     def _replayed(self, timeline, segmentation):
@@ -395,8 +406,8 @@ class MemoryModel:
 
 
 def _plan_key(checkpoints, offloaded=(), prefetch=1, flops_per_byte=0, read_checkpoints=False,
-              recompute_ahead=False):
+              recompute_ahead=False, read_last_segment=False):
     """The key MemoryModel keeps a plan's prediction under."""
     return (tuple(sorted(set(checkpoints))), tuple(sorted(set(offloaded))),
             (prefetch, flops_per_byte) if offloaded else None, bool(read_checkpoints),
-            bool(recompute_ahead))
+            bool(recompute_ahead), bool(read_last_segment))

@@ -10,8 +10,13 @@ region op is copied by exactly one segment.
 
 A segment's gradients read some tensors of the segment as the forward pass made
 them, not from its copies (`ForwardReads`): tensors too small to be worth
-recomputing (a batch norm's saved statistics), and, in plans that read their
-checkpoints (`read_checkpoints`), the checkpoint the segment ends at. A copy whose
+recomputing (a batch norm's saved statistics), in plans that read their
+checkpoints (`read_checkpoints`), the checkpoint the segment ends at, and, in plans
+that read their last segment (`read_last_segment`), every tensor of the last segment:
+its backward pass starts as the forward pass ends, so recomputing it makes again what
+the forward pass has just made (a language model's head and loss: 0.07 of GPT-2's
+step), and reading them holds no more, unless forward ops that run after it hold the
+peak (memsave.planning decides per plan, by the model). A copy whose
 outputs nothing then reads is never run: the segment of a checkpoint made by a
 ReLU, whose gradient reads only that output, then recomputes nothing, but the
 checkpoint stays alive until that segment's backward pass instead of until the
@@ -36,10 +41,10 @@ _SEVERAL = -2   # read by more than one segment
 
 class ForwardReads:
     """Which tensors a plan's segments' gradients read as the forward pass made them,
-    rather than from recomputed copies: a small tensor (StepGraph.small), or a
-    checkpoint that stays on the device where the plan reads its checkpoints.
-    Call it with a tensor id. (Shared by Segmentation, which the memory model
-    simulates, and the rewrite, which reroutes those reads.)
+    rather than from recomputed copies: a small tensor (StepGraph.small), a tensor of
+    the last segment (`last_segment`), or a checkpoint that stays on the device where
+    the plan reads its checkpoints. Call it with a tensor id. (Shared by Segmentation,
+    which the memory model simulates, and the rewrite, which reroutes those reads.)
 
     Attributes:
       narrowed: {checkpoint id: id of the narrower input of the Cast that makes it}:
@@ -47,13 +52,17 @@ class ForwardReads:
         (see `narrowed_checkpoints`); they are never read from the forward pass.
       held: ids of the tensors the plan holds for its segments: its checkpoints, the
         narrowed ones' inputs in their place (but inputs alive for the whole step).
+      last_segment: ids of the tensors the last segment's ops make
+        (Segmentation.last_segment_tensors): never recomputed.
     """
 
-    def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
+    def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False,
+                 last_segment=frozenset()):
         self.graph = graph
         self.checkpoints = checkpoints
         self.offloaded = frozenset(offloaded)
         self.read_checkpoints = read_checkpoints
+        self.last_segment = frozenset(last_segment)
         self.narrowed = narrowed_checkpoints(graph, checkpoints, self.offloaded)
         self.held = frozenset(set(checkpoints) - set(self.narrowed)) | {
             source for source in self.narrowed.values()
@@ -64,7 +73,7 @@ class ForwardReads:
             return False
         if self.read_checkpoints and tid in self.checkpoints:
             return True
-        return tid in self.graph.small
+        return tid in self.graph.small or tid in self.last_segment
 
 
 def widening_cast_input(graph, op):
@@ -126,9 +135,12 @@ class Segmentation:
       reads_forward: the plan's ForwardReads: its `read_checkpoints` says whether
         segments' gradients read the checkpoints as the forward pass made them (else
         from their recomputed copies), but for those `offloaded` to host memory.
+      reads_last_segment: whether the last segment's gradients read every tensor of
+        it as the forward pass made them (`read_last_segment`).
     """
 
-    def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False):
+    def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False,
+                 read_last_segment=False):
         self.graph = graph
         self.checkpoints = set(checkpoints)
         self.forced = [t for t in graph.boundaries if t not in self.checkpoints]
@@ -136,7 +148,10 @@ class Segmentation:
         self.shared = []
         self.segment_of = {}
         self._assign()
-        self.reads_forward = ForwardReads(graph, self.checkpoints, offloaded, read_checkpoints)
+        self.reads_last_segment = bool(read_last_segment)
+        self.reads_forward = ForwardReads(
+            graph, self.checkpoints, offloaded, read_checkpoints,
+            self.last_segment_tensors() if read_last_segment else ())
         self.ops = {}
         loose = []
         for op in graph.region_op_ids():
@@ -149,6 +164,11 @@ class Segmentation:
         self.order = ([LAST] if LAST in self.ops else []) + heads
         self.kept_before, self.final_ops = self._kept_ops_in_order(loose)
         self._executed = {}
+
+    def last_segment_tensors(self):
+        """Ids of the tensors the ops of the last segment (the one ending at the ys) make."""
+        return frozenset(t for op, head in self.segment_of.items() if head == LAST
+                         for t in self.graph.outputs[op])
 
     def _assign(self):
         """One reverse pass: each op's segment; tensors several segments read are kept."""
