@@ -273,7 +273,8 @@ def _model_view(loss, variables, report, strategy, top):
         return model.largest_at_peak(top=top)
     graph = loss.graph
     checkpoints = [model.graph.id_of(graph.get_tensor_by_name(c.name)) for c in report.checkpoints]
-    return model.largest_at_peak(checkpoints, report.reads_checkpoints, top)
+    return model.largest_at_peak(checkpoints, report.reads_checkpoints, top,
+                                 report.reads_last_segment)
 
 
 def _allocating_op(op):

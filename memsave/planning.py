@@ -446,37 +446,35 @@ def _no_checkpoints_message(strategy_name, region):
 
 def _final_prediction(model, environment, selection, checkpoints, offloaded, options):
     """The prediction of the chosen plan: whether its segments read their checkpoints
-    (_reading_or_recomputing), whether its last segment is read from the forward pass
-    (_last_segment_read_or_recomputed), then whether they recompute ahead
-    (_ahead_or_not)."""
+    (_reading_or_recomputing), whether they recompute ahead (_ahead_or_not), then
+    whether its last segment is read from the forward pass
+    (_last_segment_read_or_recomputed)."""
     prediction = _reading_or_recomputing(model, environment, selection.read_checkpoints,
                                          checkpoints, offloaded, options)
-    if environment.may_read_last_segment:
-        prediction = _last_segment_read_or_recomputed(model, checkpoints, offloaded, options,
-                                                      prediction)
-    return _ahead_or_not(model, environment, selection.recompute_ahead, checkpoints,
-                         offloaded, prediction)
+    prediction = _ahead_or_not(model, environment, selection.recompute_ahead, checkpoints,
+                               offloaded, prediction)
+    if not environment.may_read_last_segment:
+        return prediction
+    return _last_segment_read_or_recomputed(model, checkpoints, offloaded, options, prediction)
 
 
 def _last_segment_read_or_recomputed(model, checkpoints, offloaded, options, prediction):
     """`prediction`, or that of the same plan whose last segment's gradients read its
     tensors as the forward pass made them (MemoryModel.predict's read_last_segment)
-    where that recomputes less and keeps the predicted peak within
-    _FREE_PEAK_TOLERANCE: the last segment's backward pass starts as the forward pass
-    ends, so its recomputation would make again what is still there, unless forward
-    ops that run after it (a side branch feeding the loss) hold the peak."""
+    where that recomputes less and predicts no higher peak (the plan's, as its strategy
+    checked it: a budget's limit, 'memory''s lowest peak): the last segment's backward
+    pass starts as the forward pass ends, so its recomputation would make again what
+    is still there, unless forward ops that run after it (a side branch feeding the
+    loss) hold the peak."""
     extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
-    reads = prediction.reads_checkpoints
-    reading = model.predict(checkpoints, offloaded, *extra, read_checkpoints=reads,
-                            read_last_segment=True)
-    within = 1 + _FREE_PEAK_TOLERANCE
+    flags = dict(read_checkpoints=prediction.reads_checkpoints,
+                 recompute_ahead=prediction.recomputes_ahead, read_last_segment=True)
+    reading = model.predict(checkpoints, offloaded, *extra, **flags)
     if (reading.cost_flops >= prediction.cost_flops
-            or reading.peak_bytes > prediction.peak_bytes * within):
+            or reading.peak_bytes > prediction.peak_bytes):
         return prediction
-    reading = model.predict(checkpoints, offloaded, *extra, allocator=True,
-                            read_checkpoints=reads, read_last_segment=True)
-    return reading if reading.device_peak_bytes <= prediction.device_peak_bytes * within \
-        else prediction
+    reading = model.predict(checkpoints, offloaded, *extra, allocator=True, **flags)
+    return reading if reading.device_peak_bytes <= prediction.device_peak_bytes else prediction
 
 
 def _ahead_or_not(model, environment, chosen, checkpoints, offloaded, prediction):
@@ -491,14 +489,13 @@ def _ahead_or_not(model, environment, chosen, checkpoints, offloaded, prediction
     if chosen is False or offloaded or not environment.may_recompute_ahead:
         return prediction
     within = 1 + _FREE_PEAK_TOLERANCE
-    reads, last = prediction.reads_checkpoints, prediction.reads_last_segment
+    reads = prediction.reads_checkpoints
     if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
-        ahead = model.predict(checkpoints, recompute_ahead=True, read_checkpoints=reads,
-                              read_last_segment=last)
+        ahead = model.predict(checkpoints, recompute_ahead=True, read_checkpoints=reads)
         if ahead.peak_bytes > prediction.peak_bytes * within:
             return prediction
     ahead = model.predict(checkpoints, allocator=True, recompute_ahead=True,
-                          read_checkpoints=reads, read_last_segment=last)
+                          read_checkpoints=reads)
     if chosen or ahead.device_peak_bytes <= prediction.device_peak_bytes * within:
         return ahead
     return prediction

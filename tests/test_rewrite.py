@@ -720,3 +720,39 @@ def test_the_last_segment_reads_what_the_forward_pass_made(strategy):
     assert not any(graph.get_operation_by_name(name).type == "SparseSoftmaxCrossEntropyWithLogits"
                    for name in run)
     assert_same_gradients(expected, got, rtol=1e-12)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "a call"])
+def test_a_call_in_the_last_segment_is_recomputed(inline):
+    """A tf.function call's gradient reads outputs TensorFlow adds to the op it is given
+    (the recomputed copy), so where the last segment holds a call, its copy would run even
+    if the segment's gradients read the forward pass: such a last segment is recomputed
+    (the same ops inline are read from the forward pass). Exact in float64 both ways."""
+    @tf.function(autograph=False)
+    def head(h):
+        return tf.tanh(h) * 2.0
+
+    rng = np.random.RandomState(5)
+    x = tf.constant(rng.standard_normal([256, 128]))
+    w = tf.constant(rng.standard_normal([128, 128]) * 0.1)
+    reads = {}
+
+    @tf.function(autograph=False)
+    def step(x, w):
+        h, outs = x, []
+        for _ in range(4):
+            h = tf.tanh(tf.matmul(h, w))
+            outs.append(h)
+        loss = tf.reduce_sum(tf.tanh(h) * 2.0 if inline else head(h))
+        with memsave.always_rewrite():
+            got = memsave.gradients(loss, [x, w], checkpoints=[outs[1]])
+        report = memsave.last_report()
+        reads.update(fallback=report.fallback, last=report.reads_last_segment,
+                     calls=[op.type for op in loss.graph.get_operations()
+                            if op.type in ("PartitionedCall", "StatefulPartitionedCall")])
+        return tf.gradients(loss, [x, w]), got
+
+    expected, got = step(x, w)
+    assert reads["fallback"] is None and bool(reads["calls"]) is not inline
+    assert reads["last"] is inline
+    assert_same_gradients([e.numpy() for e in expected], [g.numpy() for g in got], rtol=1e-12)

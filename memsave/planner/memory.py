@@ -217,7 +217,8 @@ class MemoryModel:
             len(offloaded) + len(copied_back), self.forward_flops, flops_per_byte,
             graph.costs.op_overhead)
 
-    def largest_at_peak(self, checkpoints=None, read_checkpoints=False, top=10):
+    def largest_at_peak(self, checkpoints=None, read_checkpoints=False, top=10,
+                        read_last_segment=False):
         """What the model holds at the live tensors' peak of a plan (of tf.gradients'
         step where `checkpoints` is None), to set beside a measured step's records
         (benchmarks/peak_breakdown.py).
@@ -227,7 +228,8 @@ class MemoryModel:
           buffers, largest first; `what` names a tensor, a tensor's gradient ("gradient
           of ..."), or an op gradient's temporaries ("temporaries of the gradient of ...").
         """
-        timeline, segmentation = self.simulated(checkpoints, read_checkpoints=read_checkpoints)
+        timeline, segmentation = self.simulated(checkpoints, read_checkpoints=read_checkpoints,
+                                                 read_last_segment=read_last_segment)
         _, at = timeline.peak()
         return (self.describe(timeline.labels[at], segmentation),
                 self._largest_at(timeline, at, top))

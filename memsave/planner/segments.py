@@ -33,6 +33,7 @@ This is the one place that decides segments: the memory model simulates them
 and the builder (memsave.build) builds them.
 """
 
+from memsave.graph.calls import is_call
 from memsave.planner.graph import KEPT, REGION, RESIDENT
 
 LAST = -1       # the segment that ends at the ys
@@ -136,7 +137,9 @@ class Segmentation:
         segments' gradients read the checkpoints as the forward pass made them (else
         from their recomputed copies), but for those `offloaded` to host memory.
       reads_last_segment: whether the last segment's gradients read every tensor of
-        it as the forward pass made them (`read_last_segment`).
+        it as the forward pass made them: where `read_last_segment` asks, but not where
+        the last segment holds a function call, whose gradient reads outputs TensorFlow
+        adds to the op it is given (the call's copy), which then runs anyway.
     """
 
     def __init__(self, graph, checkpoints, offloaded=(), read_checkpoints=False,
@@ -148,10 +151,11 @@ class Segmentation:
         self.shared = []
         self.segment_of = {}
         self._assign()
-        self.reads_last_segment = bool(read_last_segment)
+        self.reads_last_segment = bool(read_last_segment) and not any(
+            head == LAST and is_call(graph.ops[op]) for op, head in self.segment_of.items())
         self.reads_forward = ForwardReads(
             graph, self.checkpoints, offloaded, read_checkpoints,
-            self.last_segment_tensors() if read_last_segment else ())
+            self.last_segment_tensors() if self.reads_last_segment else ())
         self.ops = {}
         loose = []
         for op in graph.region_op_ids():
