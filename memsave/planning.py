@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from memsave import backward
 from memsave import offload as offload_lib
+from memsave import plan_variants
 from memsave import report as report_lib
 from memsave.environment import Environment
 from memsave.errors import MemsaveError, MemsaveWarning
@@ -40,10 +41,6 @@ _MIN_PREDICTED_SAVING = 0.02
 # Gradient ops whose outputs hold at least 1/_LARGE_FRACTION of the step's largest
 # tensor, or that read a tensor that large, are "large" (Plan.orders_backward).
 _LARGE_FRACTION = 16
-# A plan reads its checkpoints, or recomputes ahead, where the strategy did not decide
-# and that raises its predicted peak by at most this much.
-_FREE_PEAK_TOLERANCE = 0.01
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -235,8 +232,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
                                  and any(op.type == "Conv2D" for op in region.ops))
     ids = [graph.id_of(c.tensor) for c in kept]
     offloaded_ids = [graph.id_of(c.tensor) for c in kept if c.tensor.name in offloaded]
-    prediction = _final_prediction(model, environment, selection, ids, offloaded_ids,
-                                   problem.offload)
+    prediction = plan_variants.final_prediction(model, environment, selection, ids,
+                                                offloaded_ids, problem.offload)
     decided = dict(
         common, checkpoints=tuple(kept), offloaded=offloaded,
         offload=problem.offload if offloaded else None, prediction=prediction,
@@ -441,91 +438,3 @@ def _no_checkpoints_message(strategy_name, region):
     return (f"memsave: strategy {strategy_name!r} chose no usable checkpoints in a region of "
             f"{len(region)} ops, so nothing can be saved and plain tf.gradients was used; {hint}")
 
-
-# -- reading or recomputing, ahead or not --------------------------------------------
-
-def _final_prediction(model, environment, selection, checkpoints, offloaded, options):
-    """The prediction of the chosen plan: whether its segments read their checkpoints
-    (_reading_or_recomputing), whether they recompute ahead (_ahead_or_not), then
-    whether its last segment is read from the forward pass
-    (_last_segment_read_or_recomputed)."""
-    prediction = _reading_or_recomputing(model, environment, selection.read_checkpoints,
-                                         checkpoints, offloaded, options)
-    prediction = _ahead_or_not(model, environment, selection.recompute_ahead, checkpoints,
-                               offloaded, prediction)
-    if not environment.may_read_last_segment:
-        return prediction
-    return _last_segment_read_or_recomputed(model, checkpoints, offloaded, options, prediction)
-
-
-def _last_segment_read_or_recomputed(model, checkpoints, offloaded, options, prediction):
-    """`prediction`, or that of the same plan whose last segment's gradients read its
-    tensors as the forward pass made them (MemoryModel.predict's read_last_segment)
-    where that recomputes less and predicts no higher peak (the plan's, as its strategy
-    checked it: a budget's limit, 'memory''s lowest peak): the last segment's backward
-    pass starts as the forward pass ends, so its recomputation would make again what
-    is still there, unless forward ops that run after it (a side branch feeding the
-    loss) hold the peak."""
-    extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
-    flags = dict(read_checkpoints=prediction.reads_checkpoints,
-                 recompute_ahead=prediction.recomputes_ahead, read_last_segment=True)
-    reading = model.predict(checkpoints, offloaded, *extra, **flags)
-    if (reading.cost_flops >= prediction.cost_flops
-            or reading.peak_bytes > prediction.peak_bytes):
-        return prediction
-    reading = model.predict(checkpoints, offloaded, *extra, allocator=True, **flags)
-    return reading if reading.device_peak_bytes <= prediction.device_peak_bytes else prediction
-
-
-def _ahead_or_not(model, environment, chosen, checkpoints, offloaded, prediction):
-    """`prediction`, or that of the same plan recomputing ahead (MemoryModel.predict's
-    recompute_ahead: each segment's recomputation runs beside the backward pass of the
-    segment after it, so it leaves the critical path where the executor runs ops side
-    by side): where the strategy chose so (`chosen`, a budget, where it fits), or, where
-    it did not choose, if the predicted peak stays within _FREE_PEAK_TOLERANCE.
-
-    Not with offloaded checkpoints (their copies back are timed by the segments'
-    triggers) nor under XLA (Environment.may_recompute_ahead)."""
-    if chosen is False or offloaded or not environment.may_recompute_ahead:
-        return prediction
-    within = 1 + _FREE_PEAK_TOLERANCE
-    reads = prediction.reads_checkpoints
-    if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
-        ahead = model.predict(checkpoints, recompute_ahead=True, read_checkpoints=reads)
-        if ahead.peak_bytes > prediction.peak_bytes * within:
-            return prediction
-    ahead = model.predict(checkpoints, allocator=True, recompute_ahead=True,
-                          read_checkpoints=reads)
-    if chosen or ahead.device_peak_bytes <= prediction.device_peak_bytes * within:
-        return ahead
-    return prediction
-
-
-def _reading_or_recomputing(model, environment, chosen, checkpoints, offloaded, options):
-    """The prediction of the chosen plan, its segments reading or recomputing the
-    checkpoint each ends at (Prediction.reads_checkpoints).
-
-    Its segments read their checkpoints as the forward pass made them where they may
-    (Environment.may_read_checkpoints) and the strategy chose so (`chosen`: a budget
-    searches both kinds of plan), or, where it did not choose, if that recomputes less
-    and keeps the predicted peak within _FREE_PEAK_TOLERANCE of recomputing them:
-    reading holds each checkpoint through the later segment's backward pass, and a
-    segment ending at a ReLU then runs nothing."""
-    extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
-    recomputing = model.predict(checkpoints, offloaded, *extra, allocator=True)
-    if chosen is False or not environment.may_read_checkpoints:
-        return recomputing
-    graph = model.graph
-    if not chosen and not any(c in graph.grad_reads[graph.producer[c]] for c in checkpoints):
-        return recomputing  # no checkpoint's own gradient reads it: nothing to gain
-    within = 1 + _FREE_PEAK_TOLERANCE
-    if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
-        reading = model.predict(checkpoints, offloaded, *extra, read_checkpoints=True)
-        if (reading.cost_flops >= recomputing.cost_flops
-                or reading.peak_bytes > recomputing.peak_bytes * within):
-            return recomputing
-    reading = model.predict(checkpoints, offloaded, *extra, allocator=True,
-                            read_checkpoints=True)
-    if chosen or reading.device_peak_bytes <= recomputing.device_peak_bytes * within:
-        return reading
-    return recomputing

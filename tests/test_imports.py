@@ -28,6 +28,8 @@ FORBIDDEN = {
     "memsave.strategies": ["memsave.planning", "memsave.build", "memsave.rewrite",
                            "memsave.integrations", "memsave.inputs"],
     "memsave.planning": ["memsave.build", "memsave.rewrite", "memsave.integrations"],
+    "memsave.plan_variants": ["memsave.planning", "memsave.build", "memsave.rewrite",
+                              "memsave.strategies", "memsave.integrations"],
     "memsave.build": ["memsave.planning", "memsave.rewrite", "memsave.planner",
                       "memsave.strategies", "memsave.integrations"],
     "memsave.rewrite": ["memsave.integrations", "memsave.calibration", "memsave.tape"],
