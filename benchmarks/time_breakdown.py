@@ -278,9 +278,13 @@ def main(argv=None):
                              "ahead (what each costs or buys)")
     parser.add_argument("--app", default=None, help="keras.applications model for --model keras")
     parser.add_argument("--image-size", type=int, default=None)
+    parser.add_argument("--d-model", type=int, default=None,
+                        help="width of a transformer (--model transformer, vit, gpt, gpt2)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads, with --d-model")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    options = {k: v for k, v in (("app", args.app), ("image_size", args.image_size))
+    options = {k: v for k, v in (("app", args.app), ("image_size", args.image_size),
+                                 ("d_model", args.d_model), ("heads", args.heads))
                if v is not None}
     result = measure_breakdown(args.model, args.strategy, args.depth, args.batch, args.steps,
                                args.profiled, variants=args.variants, **options)

@@ -11,14 +11,17 @@ _FREE_PEAK_TOLERANCE = 0.01
 
 def final_prediction(model, environment, selection, checkpoints, offloaded, options):
     """The prediction of the chosen plan: whether its segments read their checkpoints
-    (_reading_or_recomputing), whether they recompute ahead (_ahead_or_not), then
-    whether its last segment is read from the forward pass
-    (_last_segment_read_or_recomputed)."""
+    (_reading_or_recomputing), whether they recompute ahead (_ahead_or_not), and
+    whether its last segment is read from the forward pass: as the strategy chose (a
+    budget searches plans reading it), or, where it did not choose, as
+    _last_segment_read_or_recomputed decides."""
+    chosen_last = selection.read_last_segment
+    read_last = bool(chosen_last) and environment.may_read_last_segment
     prediction = _reading_or_recomputing(model, environment, selection.read_checkpoints,
-                                         checkpoints, offloaded, options)
+                                         checkpoints, offloaded, options, read_last)
     prediction = _ahead_or_not(model, environment, selection.recompute_ahead, checkpoints,
                                offloaded, prediction)
-    if not environment.may_read_last_segment:
+    if chosen_last is not None or not environment.may_read_last_segment:
         return prediction
     return _last_segment_read_or_recomputed(model, checkpoints, offloaded, options, prediction)
 
@@ -54,21 +57,23 @@ def _ahead_or_not(model, environment, chosen, checkpoints, offloaded, prediction
     if chosen is False or offloaded or not environment.may_recompute_ahead:
         return prediction
     within = 1 + _FREE_PEAK_TOLERANCE
-    reads = prediction.reads_checkpoints
+    flags = dict(recompute_ahead=True, read_checkpoints=prediction.reads_checkpoints,
+                 read_last_segment=prediction.reads_last_segment)
     if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
-        ahead = model.predict(checkpoints, recompute_ahead=True, read_checkpoints=reads)
+        ahead = model.predict(checkpoints, **flags)
         if ahead.peak_bytes > prediction.peak_bytes * within:
             return prediction
-    ahead = model.predict(checkpoints, allocator=True, recompute_ahead=True,
-                          read_checkpoints=reads)
+    ahead = model.predict(checkpoints, allocator=True, **flags)
     if chosen or ahead.device_peak_bytes <= prediction.device_peak_bytes * within:
         return ahead
     return prediction
 
 
-def _reading_or_recomputing(model, environment, chosen, checkpoints, offloaded, options):
-    """The prediction of the chosen plan, its segments reading or recomputing the
-    checkpoint each ends at (Prediction.reads_checkpoints).
+def _reading_or_recomputing(model, environment, chosen, checkpoints, offloaded, options,
+                            read_last_segment):
+    """The prediction of the chosen plan (its last segment read where
+    `read_last_segment`), its segments reading or recomputing the checkpoint each ends
+    at (Prediction.reads_checkpoints).
 
     Its segments read their checkpoints as the forward pass made them where they may
     (Environment.may_read_checkpoints) and the strategy chose so (`chosen`: a budget
@@ -77,7 +82,8 @@ def _reading_or_recomputing(model, environment, chosen, checkpoints, offloaded, 
     reading holds each checkpoint through the later segment's backward pass, and a
     segment ending at a ReLU then runs nothing."""
     extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
-    recomputing = model.predict(checkpoints, offloaded, *extra, allocator=True)
+    last = dict(read_last_segment=read_last_segment)
+    recomputing = model.predict(checkpoints, offloaded, *extra, allocator=True, **last)
     if chosen is False or not environment.may_read_checkpoints:
         return recomputing
     graph = model.graph
@@ -85,12 +91,12 @@ def _reading_or_recomputing(model, environment, chosen, checkpoints, offloaded, 
         return recomputing  # no checkpoint's own gradient reads it: nothing to gain
     within = 1 + _FREE_PEAK_TOLERANCE
     if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
-        reading = model.predict(checkpoints, offloaded, *extra, read_checkpoints=True)
+        reading = model.predict(checkpoints, offloaded, *extra, read_checkpoints=True, **last)
         if (reading.cost_flops >= recomputing.cost_flops
                 or reading.peak_bytes > recomputing.peak_bytes * within):
             return recomputing
     reading = model.predict(checkpoints, offloaded, *extra, allocator=True,
-                            read_checkpoints=True)
+                            read_checkpoints=True, **last)
     if chosen or reading.device_peak_bytes <= recomputing.device_peak_bytes * within:
         return reading
     return recomputing

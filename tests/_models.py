@@ -23,6 +23,26 @@ def tanh_mlp_loss(x, weights):
     return tf.reduce_sum(h * h)
 
 
+def language_model_head(vocab=512, blocks=4):
+    """A float64 stack of tanh Dense layers, then a vocabulary head and a sparse softmax
+    cross-entropy over it (a language model's last segment: its largest ops); returns
+    the loss, the xs (the weights' reads), each block's output and the head's logits."""
+    rng = np.random.RandomState(3)
+    h = tf.constant(rng.standard_normal([64, 32]))
+    xs, outs = [], []
+    for _ in range(blocks):
+        w = tf.convert_to_tensor(tf.Variable(rng.standard_normal([32, 32]) * 0.3))
+        xs.append(w)
+        h = tf.tanh(tf.matmul(h, w))
+        outs.append(h)
+    head = tf.convert_to_tensor(tf.Variable(rng.standard_normal([32, vocab]) * 0.3))
+    xs.append(head)
+    logits = tf.matmul(h, head)
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.constant(rng.randint(0, vocab, [64])), logits=logits)
+    return tf.reduce_sum(losses), xs, outs, logits
+
+
 _VARIABLES = {}
 
 

@@ -18,6 +18,9 @@ from memsave.planner import costs, opinfo, schedule, search
 from memsave.planner.kernels import eigen_cpu, gpu, onednn_cpu
 from memsave.region import ForwardRegion
 from memsave.planner.timeline import OpOwner
+from memsave.strategies import planned as planned_strategies
+
+import _models
 
 S = 256 * 256 * 4  # bytes of one [256, 256] float32 activation
 SUM_AXES = 8       # the int32 [2] constant reduce_sum reads, resident for the step
@@ -941,24 +944,25 @@ def test_budget_that_cannot_be_met_raises_before_adding_ops():
 def test_a_budget_recomputes_ahead_exactly_where_that_still_fits(monkeypatch):
     """memsave.budget keeps its cheapest plan and recomputes ahead (same recomputation,
     off the critical path) only where the plan's predicted peak that way fits the limit:
-    on 24 tanh, 0.6 of tf.gradients' 26 tensors is a plan of 15 that would hold 16
-    ahead; 0.65 fits those 16. (The plans of the cut search alone: the local search
-    after it finds other plans here, with less recomputation.)"""
+    on 24 tanh, 0.5 of tf.gradients' 26 tensors is a plan of 4 checkpoints (its last
+    segment read from the forward pass) that would hold 14 ahead; 0.55 fits those 14.
+    (The plans of the cut search alone: the local search after it finds other plans
+    here, with less recomputation.)"""
     monkeypatch.setattr(search, "LOCAL_SEARCH_LIMIT", -1)
     with tf.Graph().as_default():
         _, _, loss, x = _tanh_chain(24)
         reports = {f: memsave.plan(loss, [x], checkpoints=memsave.budget(f))
-                   for f in (0.6, 0.65)}
+                   for f in (0.5, 0.55)}
     for fraction, report in reports.items():
         assert report.predicted_peak_bytes <= fraction * report.baseline_peak_bytes
         assert report.baseline_peak_bytes == 26 * S + SUM_AXES + 4
-    assert not reports[0.6].recomputes_ahead and reports[0.65].recomputes_ahead
-    assert ([c.name for c in reports[0.6].checkpoints]
-            == [c.name for c in reports[0.65].checkpoints])
-    assert "predicted peak 4 MiB" in reports[0.65].checkpoints[0].reason
-    assert reports[0.6].predicted_peak_bytes == 15 * S + SUM_AXES
-    assert reports[0.65].predicted_peak_bytes == 16 * S + SUM_AXES
-    assert reports[0.65].recompute_flops == reports[0.6].recompute_flops
+    assert not reports[0.5].recomputes_ahead and reports[0.55].recomputes_ahead
+    assert ([c.name for c in reports[0.5].checkpoints]
+            == [c.name for c in reports[0.55].checkpoints])
+    assert "predicted peak 3.5 MiB" in reports[0.55].checkpoints[0].reason
+    assert reports[0.5].predicted_peak_bytes == 10 * S + SUM_AXES + 4
+    assert reports[0.55].predicted_peak_bytes == 14 * S + SUM_AXES + 4
+    assert reports[0.55].recompute_flops == reports[0.5].recompute_flops
 
 
 @pytest.mark.planner_fallback
@@ -1073,6 +1077,48 @@ def test_a_time_budget_keeps_the_lowest_peak_within_its_predicted_step_time():
     assert reports[2.0].predicted_peak_bytes <= lowest.predicted_peak_bytes * 1.02
     assert reports[1.05].recompute_flops < reports[2.0].recompute_flops
     assert lowest.step_time_ratio > 1.05  # (so the shortest time had to give up peak)
+
+
+def test_a_time_budget_counts_the_last_segment_as_read():
+    """'memory' reads its last segment (the vocabulary head and the loss) from the forward
+    pass, so its recomputation, and its predicted step time, leave that segment out; a
+    time budget of that step time reaches its peak. (Ranking plans as if the last segment
+    were recomputed, the search found no plan within the time: plain tf.gradients.)"""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, _, _ = _models.language_model_head()
+        lowest = memsave.plan(loss, xs, "memory")
+        time = lowest.step_time_ratio + 0.001
+        timed = memsave.plan(loss, xs, memsave.budget(time=time))
+    assert lowest.reads_last_segment and timed.fallback is None
+    assert timed.reads_last_segment and timed.step_time_ratio <= time
+    assert timed.predicted_peak_bytes <= lowest.predicted_peak_bytes * 1.02
+
+
+def test_a_budget_recomputes_less_by_reading_its_last_segment():
+    """A byte budget searches plans that read their last segment from the forward pass:
+    the cheapest plan it finds recomputes less than the cheapest found recomputing its
+    last segment, even with that one's last segment read afterwards (what the budget
+    did before), still within the limit, and its gradients are tf.gradients' in float64."""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, _, _ = _models.language_model_head(blocks=8)
+        expected = tf.gradients(loss, xs)
+        got = memsave.gradients(loss, xs, checkpoints=memsave.budget(0.95))
+        report = memsave.last_report()
+        model = planner.model_of(ForwardRegion.build([loss], xs))
+        limit = int(0.95 * model.baseline(allocator=True).device_peak_bytes)
+        expensive = planned_strategies._expensive_outputs(model.graph)
+        found, plan, _ = search.within_budget(model, limit, expensive, read_last_segment=False)
+        before = model.cost_of(plan, read_checkpoints=found.reads_checkpoints,
+                               read_last_segment=True)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            want, have = session.run([expected, got])
+    assert report.reads_last_segment and report.predicted_peak_bytes <= limit
+    assert report.recompute_flops < before
+    for w, h in zip(want, have):
+        np.testing.assert_allclose(h, w, rtol=1e-12, atol=1e-14)
 
 
 def test_a_time_budget_with_a_limit_it_cannot_meet_names_both():

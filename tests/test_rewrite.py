@@ -669,26 +669,6 @@ def test_memory_runs_a_matmuls_kernel_gradient_before_its_input_gradient(monkeyp
 
 
 
-def _language_model_head(vocab=512, blocks=4):
-    """A float64 stack of tanh Dense layers, then a vocabulary head and a sparse softmax
-    cross-entropy over it (a language model's last segment: its largest ops); returns
-    the loss, the xs (the weights' reads), each block's output and the head's logits."""
-    rng = np.random.RandomState(3)
-    h = tf.constant(rng.standard_normal([64, 32]))
-    xs, outs = [], []
-    for _ in range(blocks):
-        w = tf.convert_to_tensor(tf.Variable(rng.standard_normal([32, 32]) * 0.3))
-        xs.append(w)
-        h = tf.tanh(tf.matmul(h, w))
-        outs.append(h)
-    head = tf.convert_to_tensor(tf.Variable(rng.standard_normal([32, vocab]) * 0.3))
-    xs.append(head)
-    logits = tf.matmul(h, head)
-    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tf.constant(rng.randint(0, vocab, [64])), logits=logits)
-    return tf.reduce_sum(losses), xs, outs, logits
-
-
 @pytest.mark.parametrize("strategy", ["list", "memory"])
 def test_the_last_segment_reads_what_the_forward_pass_made(strategy):
     """The last segment's backward pass starts as the forward pass ends: its gradients read
@@ -698,7 +678,7 @@ def test_the_last_segment_reads_what_the_forward_pass_made(strategy):
     are tf.gradients' in float64."""
     graph = tf.Graph()
     with graph.as_default():
-        loss, xs, outs, logits = _language_model_head()
+        loss, xs, outs, logits = _models.language_model_head()
         expected = tf.gradients(loss, xs)
         with memsave.always_rewrite():
             got = memsave.gradients(loss, xs, checkpoints=outs[1:3] if strategy == "list"

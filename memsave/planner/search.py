@@ -79,27 +79,28 @@ def _subsets_with_offload(tensors, offloadable):
 class _Search:
     """Predictions of candidate plans, each simulated once."""
 
-    def __init__(self, model, offloadable=None, read_checkpoints=False):
+    def __init__(self, model, offloadable=None, read_checkpoints=False, read_last_segment=False):
         self.model = model
         self.offloadable = offloadable if offloadable and offloadable.tensors else None
-        self.read_checkpoints = read_checkpoints  # (as MemoryModel.predict's)
+        # (as MemoryModel.predict's: the kind of plan searched)
+        self.flags = dict(read_checkpoints=read_checkpoints, read_last_segment=read_last_segment)
+        self.read_checkpoints = read_checkpoints
         self.candidates = Candidates(model.graph)
         self._cuts = {}   # segment bytes -> plan
 
     def predict(self, plan, offloaded=(), allocator=False):
         if not offloaded:  # (the model keeps every prediction it made)
-            return self.model.predict(plan, allocator=allocator,
-                                      read_checkpoints=self.read_checkpoints)
+            return self.model.predict(plan, allocator=allocator, **self.flags)
         return self.model.predict(plan, offloaded, self.offloadable.prefetch,
                                   self.offloadable.flops_per_byte, allocator=allocator,
-                                  read_checkpoints=self.read_checkpoints)
+                                  **self.flags)
 
     def cost(self, plan, offloaded=()):
         """The cost_flops of predict(plan, offloaded), without simulating it."""
         if not offloaded:
-            return self.model.cost_of(plan, read_checkpoints=self.read_checkpoints)
+            return self.model.cost_of(plan, **self.flags)
         return self.model.cost_of(plan, offloaded, self.offloadable.flops_per_byte,
-                                  read_checkpoints=self.read_checkpoints)
+                                  **self.flags)
 
     def fits(self, plan, offloaded, limit_bytes, allocator=True):
         """Whether `plan` peaks within `limit_bytes`: its live tensors, and (`allocator`)
@@ -260,7 +261,7 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
 
 
 def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloadable=None,
-                  read_checkpoints=(True, False)):
+                  read_checkpoints=(True, False), read_last_segment=False):
     """The least costly plan with peak <= limit_bytes: (Prediction, checkpoint ids,
     offloaded ids), or None when no plan fits. Plans whose segments read their
     checkpoints (MemoryModel.predict's read_checkpoints; the Prediction says) are
@@ -278,9 +279,13 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
         recomputed (the cost is then recomputation plus transfers).
       read_checkpoints: the kinds of plan searched (whether segments read their
         checkpoints: MemoryModel.predict's read_checkpoints).
+      read_last_segment: whether the plans searched read their last segment from the
+        forward pass (MemoryModel.predict's; the Prediction says where one may not): its
+        recomputation then costs nothing, so a plan with a long last segment may be the
+        cheapest.
     """
-    found = [_within_budget(_Search(model, offloadable, read), limit_bytes, expensive, exact,
-                            augmented) for read in read_checkpoints]
+    found = [_within_budget(_Search(model, offloadable, read, read_last_segment), limit_bytes,
+                            expensive, exact, augmented) for read in read_checkpoints]
     found = [f for f in found if f is not None]
     return min(found, key=lambda f: (f[0].cost_flops, f[0].device_peak_bytes), default=None)
 
@@ -321,7 +326,7 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
         singles = [[t] for t in tensors]
         found.append(_improved(search, plans + [f[1] for f in found] + singles, limit_bytes))
     if search.offloadable is not None:  # never costlier than the plan without offload
-        found.append(_within_budget(_Search(model, None, search.read_checkpoints),
+        found.append(_within_budget(_Search(model, None, **search.flags),
                                     limit_bytes, expensive, exact, augmented))
     return _cheapest(search, (f for f in found if f is not None), limit_bytes)
 
@@ -461,28 +466,32 @@ def lowest_reachable_peak(model, offloadable=None):
 
 
 def lowest_peak_within_cost(model, max_cost, expensive, offloadable=None,
-                            read_checkpoints=(True, False), refinements=3, replayed=3):
+                            read_checkpoints=(True, False), read_last_segment=False,
+                            refinements=3, replayed=3):
     """The plan with the lowest predicted peak (as the device's allocator holds it) whose
     cost, recomputation and transfers, is at most `max_cost`: (Prediction, checkpoint
     ids, offloaded ids), or None where no plan found costs that little.
 
-    The greedy cuts over every segment size (of each kind of plan) and the lowest-peak
-    plan are tried first, the `replayed` lowest of them by live tensors replayed through
+    The plans searched read their last segment where `read_last_segment` (as
+    within_budget's). The greedy cuts over every segment size (of each kind of plan) and
+    the lowest-peak plan are tried first, the `replayed` lowest of them by live tensors replayed through
     the allocator; the best is then lowered by bisection between the lowest reachable peak
     and its own (tf.gradients' where none was within the cost), `refinements` times, each
     a budget search (the least costly plan under a limit: within_budget) kept where it
     stays within the cost.
     """
+    searches = {read: _Search(model, None, read, read_last_segment) for read in read_checkpoints}
+    searches.setdefault(False, _Search(model, None, False, read_last_segment))
     found = []
     for read in read_checkpoints:
-        search = _Search(model, None, read)
+        search = searches[read]
         found += [(search.predict(plan), list(plan), read) for plan in search.all_cut_plans()]
     lowest = minimise_peak(model)
-    if lowest is not None:
-        found.append((lowest[0], lowest[1], False))
+    if lowest is not None:  # (predicted as this search's plans are)
+        found.append((searches[False].predict(lowest[1]), lowest[1], False))
     found = sorted((f for f in found if f[0].cost_flops <= max_cost),
                    key=lambda f: (f[0].peak_bytes, f[0].cost_flops))
-    held = [(_Search(model, None, read).predict(plan, allocator=True), plan, [])
+    held = [(searches[read].predict(plan, allocator=True), plan, [])
             for _, plan, read in found[:replayed]]
     best = min(held, key=lambda f: (f[0].device_peak_bytes, f[0].cost_flops), default=None)
     low = lowest_reachable_peak(model, offloadable)
@@ -492,7 +501,8 @@ def lowest_peak_within_cost(model, max_cost, expensive, offloadable=None,
             break
         middle = (low + high) // 2
         cheapest = within_budget(model, middle, expensive, offloadable=offloadable,
-                                 read_checkpoints=read_checkpoints)
+                                 read_checkpoints=read_checkpoints,
+                                 read_last_segment=read_last_segment)
         if cheapest is not None and cheapest[0].cost_flops <= max_cost:
             best, high = cheapest, cheapest[0].device_peak_bytes
         else:

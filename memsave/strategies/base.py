@@ -32,6 +32,8 @@ class Selection:
         forward pass made it, rather than recomputing it.
       recompute_ahead: whether each segment recomputes beside the backward pass of
         the segment after it.
+      read_last_segment: whether the last segment's gradients read its tensors as the
+        forward pass made them, rather than recomputing them.
       order_backward: whether each segment's large gradient ops run one after another.
       plain: why plain tf.gradients is the better plan (with no choices).
       calibrated: the scale between the model's bytes and a measured step the strategy
@@ -40,6 +42,7 @@ class Selection:
     choices: Sequence[Choice] = ()
     read_checkpoints: Optional[bool] = None
     recompute_ahead: Optional[bool] = None
+    read_last_segment: Optional[bool] = None
     order_backward: bool = False
     plain: Optional[str] = None
     calibrated: Optional[object] = None

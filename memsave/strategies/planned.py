@@ -172,7 +172,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         environment = problem.environment
         best = search.within_budget(
             model, model_limit, _expensive_outputs(model.graph), offloadable=offloadable,
-            read_checkpoints=(True, False) if environment.may_read_checkpoints else (False,))
+            read_checkpoints=(True, False) if environment.may_read_checkpoints else (False,),
+            read_last_segment=environment.may_read_last_segment)
         if best is None:
             reachable = search.lowest_reachable_peak(model, offloadable)
             reachable = shown(baseline.device_peak_bytes if reachable is None else reachable)
@@ -189,7 +190,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
                                         f"peak {_mb(shown(prediction.device_peak_bytes))})",
                            offloaded if offloadable else None)
         return Selection(choices, read_checkpoints=prediction.reads_checkpoints,
-                         recompute_ahead=prediction.recomputes_ahead, calibrated=calibrated)
+                         recompute_ahead=prediction.recomputes_ahead,
+                         read_last_segment=prediction.reads_last_segment, calibrated=calibrated)
 
     def _within_time(self, problem, baseline, calibrated, shown):
         """The lowest predicted peak whose predicted step time is within self.time; with a
@@ -201,7 +203,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
             model, max_cost, _expensive_outputs(model.graph),
             offloadable=_offloadable(model, problem),
             read_checkpoints=((True, False) if problem.environment.may_read_checkpoints
-                              else (False,)))
+                              else (False,)),
+            read_last_segment=problem.environment.may_read_last_segment)
         if best is None or best[0].device_peak_bytes >= baseline.device_peak_bytes:
             # Plain tf.gradients is the lowest peak within the time.
             prediction, plan, offloaded = baseline, None, None
@@ -222,7 +225,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
                                         f"{ratio:.2f}x, {_mb(peak)})",
                            offloaded if problem.offload is not None else None)
         return Selection(choices, read_checkpoints=prediction.reads_checkpoints,
-                         recompute_ahead=False, calibrated=calibrated)
+                         recompute_ahead=False, read_last_segment=prediction.reads_last_segment,
+                         calibrated=calibrated)
 
 
 def _checked_limit(limit):
@@ -261,12 +265,13 @@ def _ahead_if_it_fits(model, environment, prediction, plan, offloaded, limit):
     segment longer), else `prediction`."""
     if offloaded or not environment.may_recompute_ahead:
         return prediction
-    reads = prediction.reads_checkpoints
+    flags = dict(recompute_ahead=True, read_checkpoints=prediction.reads_checkpoints,
+                 read_last_segment=prediction.reads_last_segment)
     # Live tensors first: the allocator never holds less, so a plan whose tensors
     # overrun the limit is not replayed (as search._Search.fits).
-    if model.predict(plan, recompute_ahead=True, read_checkpoints=reads).peak_bytes > limit:
+    if model.predict(plan, **flags).peak_bytes > limit:
         return prediction
-    ahead = model.predict(plan, allocator=True, recompute_ahead=True, read_checkpoints=reads)
+    ahead = model.predict(plan, allocator=True, **flags)
     return ahead if ahead.device_peak_bytes <= limit else prediction
 
 
