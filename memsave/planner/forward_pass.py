@@ -35,14 +35,18 @@ def unforwardable_outputs(graph, segmentation):
     """The forwarded outputs (StepGraph.forwarded) whose input's buffer the plan
     keeps for later (a checkpoint shares it): TensorFlow forwards a buffer only
     where nothing else will read it, so their kernels allocate. (None for
-    tf.gradients' step: nothing is kept for later.)"""
+    tf.gradients' step: nothing is kept for later.) Not a checkpoint no copy that
+    runs reads (Segmentation.read_by_a_copy): a language model's logits, read by the
+    bias add and the loss, whose copies never run where the plan reads its last
+    segment from the forward pass and the bias add's gradient reads neither, are
+    forwarded into the loss's backprop as under tf.gradients."""
     if segmentation is None or not graph.forwarded:
         return frozenset()
     unforwardable, held = set(), segmentation.reads_forward.held
     for out in sorted(graph.forwarded):  # (producers first: a chain stops at one)
         tid = graph.alias_of[out]
         while tid >= 0:
-            if tid in held:
+            if tid in held and segmentation.read_by_a_copy(tid):
                 unforwardable.add(out)
                 break
             if tid in unforwardable:

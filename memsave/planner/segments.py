@@ -169,6 +169,24 @@ class Segmentation:
         self.kept_before, self.final_ops = self._kept_ops_in_order(loose)
         self._executed = {}
 
+    def read_by_a_copy(self, tid):
+        """Whether a recomputed copy that runs reads tensor `tid`: a copy of one of its
+        readers that some gradient needs (`executed`), not in a last segment the plan
+        reads from the forward pass (reads_last_segment). Readers no segment holds
+        count as reading it. (Whether a gradient reads it is the caller's to ask.)"""
+        graph = self.graph
+        for op in graph.consumers[tid]:
+            if graph.kind[op] != REGION:
+                continue
+            head = self.segment_of.get(op)
+            if head is None or head == _SEVERAL:
+                return True
+            if head == LAST and self.reads_last_segment:
+                continue
+            if op in self.executed(head):
+                return True
+        return False
+
     def last_segment_tensors(self):
         """Ids of the tensors the ops of the last segment (the one ending at the ys) make."""
         return frozenset(t for op, head in self.segment_of.items() if head == LAST
