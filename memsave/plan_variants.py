@@ -30,7 +30,7 @@ def _last_segment_read_or_recomputed(model, checkpoints, offloaded, options, pre
     """`prediction`, or that of the same plan whose last segment's gradients read its
     tensors as the forward pass made them (MemoryModel.predict's read_last_segment)
     where that recomputes less and predicts no higher peak (the plan's, as its strategy
-    checked it: a budget's limit, 'memory''s lowest peak): the last segment's backward
+    checked it: 'memory''s lowest peak; a budget chose already): the last segment's backward
     pass starts as the forward pass ends, so its recomputation would make again what
     is still there, unless forward ops that run after it (a side branch feeding the
     loss) hold the peak."""

@@ -14,7 +14,8 @@ import memsave
 from memsave import environment as environment_lib
 from memsave import inputs as inputs_lib, planner
 from memsave.graph import _tf_private
-from memsave.planner import costs, opinfo, schedule, search
+from memsave.planner import costs, forward_pass, opinfo, schedule, search
+from memsave.planner.segments import Segmentation
 from memsave.planner.kernels import eigen_cpu, gpu, onednn_cpu
 from memsave.region import ForwardRegion
 from memsave.planner.timeline import OpOwner
@@ -814,17 +815,20 @@ def test_budget_plan_past_the_exhaustive_search_is_within_ten_percent_of_optimal
         assert found[0].recompute_flops <= 1.10 * _brute_force(model, limit)
 
 
+@pytest.mark.parametrize("read_last_segment", [False, True], ids=["recomputed", "read"])
 @pytest.mark.parametrize("seed", range(8))
-def test_the_lowest_reachable_peak_is_a_budget_the_search_meets(seed):
+def test_the_lowest_reachable_peak_is_a_budget_the_search_meets(seed, read_last_segment):
     """The peak a refused budget's message names (lowest_reachable_peak) is one the
-    budget's search then meets, local search included. (The message may name more than
-    the local search can reach: lowest_reachable_peak has none, and one that climbed on
-    live tensors named allocator peaks the budget then did not meet.)"""
+    budget's search then meets, local search included, whether it searches plans that
+    read their last segment (as budgets do) or recompute it. (The message may name more
+    than the local search can reach: lowest_reachable_peak has none, and one that
+    climbed on live tensors named allocator peaks the budget then did not meet.)"""
     rng = np.random.default_rng(seed)
     with tf.Graph().as_default():
         model = _random_chain(rng, n_ops=int(rng.integers(10, 15)))
         reachable = search.lowest_reachable_peak(model)
-        found = search.within_budget(model, reachable, expensive=[])
+        found = search.within_budget(model, reachable, expensive=[],
+                                     read_last_segment=read_last_segment)
         assert found is not None and found[0].device_peak_bytes <= reachable
 
 
@@ -1077,6 +1081,28 @@ def test_a_time_budget_keeps_the_lowest_peak_within_its_predicted_step_time():
     assert reports[2.0].predicted_peak_bytes <= lowest.predicted_peak_bytes * 1.02
     assert reports[1.05].recompute_flops < reports[2.0].recompute_flops
     assert lowest.step_time_ratio > 1.05  # (so the shortest time had to give up peak)
+
+
+def test_kept_logits_are_written_in_place_where_no_copy_reads_them():
+    """A plan keeping a language model's logits: where its last segment (the loss) reads
+    the forward pass, no copy reads the logits again, so the loss's kernel still writes
+    its backprop into their buffer, as under tf.gradients; where that segment is
+    recomputed, its copy reads them, so the kernel allocates (and the peak predicted is
+    higher)."""
+    with tf.Graph().as_default():
+        loss, xs, outs, logits = _models.language_model_head()
+        model = planner.model_of(ForwardRegion.build([loss], xs))
+        graph = model.graph
+        ids = [graph.id_of(outs[1]), graph.id_of(logits)]
+        backprop = graph.id_of(loss.op.inputs[0].op.outputs[1])
+        unforwardable = {read: forward_pass.unforwardable_outputs(
+            graph, Segmentation(graph, ids, read_last_segment=read)) for read in (False, True)}
+        peaks = {read: model.predict(ids, read_last_segment=read).peak_bytes
+                 for read in (False, True)}
+    assert graph.tensors[backprop].op.type == "SparseSoftmaxCrossEntropyWithLogits"
+    assert backprop in graph.forwarded
+    assert backprop in unforwardable[False] and not unforwardable[True]
+    assert peaks[True] < peaks[False]
 
 
 def test_a_time_budget_counts_the_last_segment_as_read():

@@ -234,8 +234,8 @@ _given_each("constant_scaling_inputs", {"Mul": (0, 1), "RealDiv": (1,)})
 # (OpKernelContext::forward_input_or_allocate_output): op type -> (input, output). The
 # sparse cross-entropy's backprop takes the logits' buffer (a language model's largest),
 # a BiasAdd its input's (a Dense head's matmul output): the GPT benchmark's tf.gradients
-# prediction went from +17% to +8% with it (AMD EPYC). No kernel does so where the plan
-# keeps that input for a later segment (forward_pass.unforwardable_outputs): counted anyway, the
+# prediction went from +17% to +8% with it (AMD EPYC). No kernel does so where a copy that
+# runs reads that input again (forward_pass.unforwardable_outputs): counted anyway, the
 # 'memory' plan chosen kept the head's matmul output, predicted -19%.
 _given_each("forwarded_output", {"SparseSoftmaxCrossEntropyWithLogits": (0, 1),
                                  "BiasAdd": (0, 0)})

@@ -84,7 +84,6 @@ class _Search:
         self.offloadable = offloadable if offloadable and offloadable.tensors else None
         # (as MemoryModel.predict's: the kind of plan searched)
         self.flags = dict(read_checkpoints=read_checkpoints, read_last_segment=read_last_segment)
-        self.read_checkpoints = read_checkpoints
         self.candidates = Candidates(model.graph)
         self._cuts = {}   # segment bytes -> plan
 
@@ -282,16 +281,21 @@ def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloa
       read_last_segment: whether the plans searched read their last segment from the
         forward pass (MemoryModel.predict's; the Prediction says where one may not): its
         recomputation then costs nothing, so a plan with a long last segment may be the
-        cheapest.
+        cheapest. Where none of them fits, plans recomputing it are searched.
     """
     found = [_within_budget(_Search(model, offloadable, read, read_last_segment), limit_bytes,
                             expensive, exact, augmented) for read in read_checkpoints]
     found = [f for f in found if f is not None]
+    if not found and read_last_segment:
+        # (reading it holds more where forward ops after it hold the peak: a plan
+        # recomputing it may fit where none reading it does)
+        return within_budget(model, limit_bytes, expensive, exact, augmented, offloadable,
+                             read_checkpoints, read_last_segment=False)
     return min(found, key=lambda f: (f[0].cost_flops, f[0].device_peak_bytes), default=None)
 
 
 def _within_budget(search, limit_bytes, expensive, exact, augmented):
-    """within_budget for plans of one kind (`search.read_checkpoints`)."""
+    """within_budget for plans of one kind (`search.flags`)."""
     model = search.model
     tensors = search.candidates.tensors
     if exact is None:
@@ -473,9 +477,9 @@ def lowest_peak_within_cost(model, max_cost, expensive, offloadable=None,
     ids, offloaded ids), or None where no plan found costs that little.
 
     The plans searched read their last segment where `read_last_segment` (as
-    within_budget's). The greedy cuts over every segment size (of each kind of plan) and
-    the lowest-peak plan are tried first, the `replayed` lowest of them by live tensors replayed through
-    the allocator; the best is then lowered by bisection between the lowest reachable peak
+    within_budget's). The greedy cuts over every segment size (of each kind of plan)
+    and the lowest-peak plan are tried first, the `replayed` lowest of them by live
+    tensors replayed through the allocator; the best is then lowered by bisection between the lowest reachable peak
     and its own (tf.gradients' where none was within the cost), `refinements` times, each
     a budget search (the least costly plan under a limit: within_budget) kept where it
     stays within the cost.

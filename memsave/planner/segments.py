@@ -16,11 +16,11 @@ that read their last segment (`read_last_segment`), every tensor of the last seg
 its backward pass starts as the forward pass ends, so recomputing it makes again what
 the forward pass has just made (a language model's head and loss: 0.07 of GPT-2's
 step), and reading them holds no more, unless forward ops that run after it hold the
-peak (memsave.planning decides per plan, by the model). A copy whose
-outputs nothing then reads is never run: the segment of a checkpoint made by a
+peak (a budget's search chooses, or else memsave.plan_variants, by the model). A copy
+whose outputs nothing then reads is never run: the segment of a checkpoint made by a
 ReLU, whose gradient reads only that output, then recomputes nothing, but the
 checkpoint stays alive until that segment's backward pass instead of until the
-later segment's recomputation has read it (memsave.planning chooses per plan).
+later segment's recomputation has read it (memsave.plan_variants chooses per plan).
 
 A checkpoint made by a Cast to a wider type (a mixed-precision layer's bfloat16
 input cast to float32) is held as the Cast's narrower input, and each segment that
@@ -175,6 +175,8 @@ class Segmentation:
         reads from the forward pass (reads_last_segment). Readers no segment holds
         count as reading it. (Whether a gradient reads it is the caller's to ask.)"""
         graph = self.graph
+        if tid in self.reads_forward.narrowed.values():
+            return True  # (each segment reading its checkpoint casts it again)
         for op in graph.consumers[tid]:
             if graph.kind[op] != REGION:
                 continue
