@@ -65,6 +65,9 @@ FORBIDDEN = {
     "memsave.planner.constant_folding": ["memsave.planner.graph", "memsave.planner.memory",
                                          "memsave.planner.search"],
     "memsave.planner.candidates": ["memsave.planner.search", "memsave.planner.memory"],
+    # A budget's local search: it drives the search's predictions, never the search itself.
+    "memsave.planner.local_search": ["memsave.planner.search", "memsave.planner.memory",
+                                     "memsave.strategies"],
     # The replay of a gradient built apart, on a Timeline: below the StepGraph that
     # calls it, and the step's simulation.
     "memsave.planner.function_run": ["memsave.planner.graph", "memsave.planner.simulate",

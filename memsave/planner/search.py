@@ -21,8 +21,8 @@ the tensors crossing a cut split the forward pass in two.
 
 On regions of up to LOCAL_SEARCH_LIMIT candidates, a budget's search goes on from the
 best of the cut plans and the one-checkpoint plans by local moves (a checkpoint added,
-dropped or moved to a neighbour): there the greedy cuts alone recomputed up to twice
-what the least costly fitting plan does.
+dropped or moved to a neighbour: memsave.planner.local_search): there the greedy cuts
+alone recomputed up to twice what the least costly fitting plan does.
 
 On small regions the searches try every subset of the candidate tensors, so small
 graphs get the optimum of the model: up to EXACT_PEAK_LIMIT candidates for the
@@ -38,13 +38,13 @@ import itertools
 
 from memsave.planner import costs
 from memsave.planner.candidates import Candidates
+from memsave.planner.local_search import improved
 
 EXACT_PEAK_LIMIT = 10
 PEAK_TIE = 0.005
 EXACT_BUDGET_LIMIT = 10
 EXACT_OFFLOAD_LIMIT = 8
 LOCAL_SEARCH_LIMIT = 32
-LOCAL_SEARCH_ROUNDS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,83 +328,11 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
         # more, so from the cut plans it may not reach them: on a random DAG of 14 ops,
         # 3.49 MFLOP recomputed where one checkpoint that fits recomputes 2.89)
         singles = [[t] for t in tensors]
-        found.append(_improved(search, plans + [f[1] for f in found] + singles, limit_bytes))
+        found.append(improved(search, plans + [f[1] for f in found] + singles, limit_bytes))
     if search.offloadable is not None:  # never costlier than the plan without offload
         found.append(_within_budget(_Search(model, None, **search.flags),
                                     limit_bytes, expensive, exact, augmented))
     return _cheapest(search, (f for f in found if f is not None), limit_bytes)
-
-
-def _improved(search, plans, limit_bytes):
-    """A local search from the best of `plans` (the cut plans, which on a small region
-    can recompute twice what the least costly plan does, or all miss a limit that
-    some plan meets, and the one-checkpoint plans): each round moves to the best
-    neighbour (one candidate added, one dropped, or one moved to a candidate up to two
-    places away in topological order; where none is better, one added while another
-    moves) until none is better. A plan that fits (its live tensors) is better than
-    one that does not; among fitting plans less cost is better, among the others a
-    lower peak (with every movable checkpoint offloaded, where offload is allowed).
-    Returns (Prediction, plan, offloaded) of the end point if it fits, else None."""
-    tensors = search.candidates.tensors
-    position = {t: i for i, t in enumerate(tensors)}
-    producer = search.model.graph.producer
-
-    def ordered(ids):  # (a plan may hold expensive outputs that are no candidates)
-        return sorted(ids, key=lambda t: (producer[t], t))
-
-    def scored(plan, bound):
-        if bound is not None and bound[0] == 0 and search.offloadable is None:
-            cost = search.cost(plan)
-            if cost > bound[1]:  # (scored no better than `bound`, whether it fits or not)
-                return (0, cost, float("inf")), None
-        fitted = search.fit(plan, limit_bytes, allocator=False)
-        if fitted is not None:
-            return (0, fitted[0].cost_flops, fitted[0].peak_bytes), fitted
-        prediction = search.predict(plan, search.movable(plan))
-        return (1, prediction.peak_bytes, prediction.cost_flops), None
-
-    def moved(kept):
-        for t in ordered(kept):
-            for step in (-2, -1, 1, 2) if t in position else ():
-                i = position[t] + step
-                if 0 <= i < len(tensors) and tensors[i] not in kept:
-                    yield kept - {t} | {tensors[i]}
-
-    def neighbours(plan):
-        kept = set(plan)
-        for t in tensors:
-            yield ordered(kept ^ {t})
-        for other in moved(kept):
-            yield ordered(other)
-
-    def added_and_moved(plan):
-        kept, seen = set(plan), set()
-        for t in tensors:
-            if t not in kept:
-                for other in moved(kept):
-                    candidate = tuple(ordered(other | {t}))
-                    if t not in other and candidate not in seen:
-                        seen.add(candidate)
-                        yield list(candidate)
-
-    def best_of(plans, bound=None):  # (plans costing more than a fitting bound: not simulated)
-        return min((scored(p, bound) + (p,) for p in plans if p), key=lambda f: f[0],
-                   default=None)
-
-    starts = [ordered(set(plan)) for plan in plans if plan]
-    if not starts:
-        return None
-    score, fitted, plan = best_of(starts)
-    for _ in range(LOCAL_SEARCH_ROUNDS):
-        best = best_of(neighbours(plan), score)
-        if best is None or best[0] >= score:
-            # Stuck: a checkpoint more where another moves (one more segment, its
-            # boundaries shifted) may fit where neither step alone does.
-            best = best_of(added_and_moved(plan), score)
-        if best is None or best[0] >= score:
-            break
-        score, fitted, plan = best
-    return fitted
 
 
 def _first_fitting(search, found, limit_bytes, count):

@@ -1,0 +1,79 @@
+"""A budget's local search: from the best of some plans, one checkpoint added, dropped or
+moved at a time while that recomputes less within the limit (memsave.planner.search runs
+it on regions of up to LOCAL_SEARCH_LIMIT candidates, where the greedy cuts alone
+recomputed up to twice what the least costly fitting plan does).
+"""
+
+LOCAL_SEARCH_ROUNDS = 16
+
+
+def improved(search, plans, limit_bytes):
+    """A local search from the best of `plans` (the cut plans, which on a small region
+    can recompute twice what the least costly plan does, or all miss a limit that
+    some plan meets, and the one-checkpoint plans): each round moves to the best
+    neighbour (one candidate added, one dropped, or one moved to a candidate up to two
+    places away in topological order; where none is better, one added while another
+    moves) until none is better. A plan that fits (its live tensors) is better than
+    one that does not; among fitting plans less cost is better, among the others a
+    lower peak (with every movable checkpoint offloaded, where offload is allowed).
+    Returns (Prediction, plan, offloaded) of the end point if it fits, else None."""
+    tensors = search.candidates.tensors
+    position = {t: i for i, t in enumerate(tensors)}
+    producer = search.model.graph.producer
+
+    def ordered(ids):  # (a plan may hold expensive outputs that are no candidates)
+        return sorted(ids, key=lambda t: (producer[t], t))
+
+    def scored(plan, bound):
+        if bound is not None and bound[0] == 0 and search.offloadable is None:
+            cost = search.cost(plan)
+            if cost > bound[1]:  # (scored no better than `bound`, whether it fits or not)
+                return (0, cost, float("inf")), None
+        fitted = search.fit(plan, limit_bytes, allocator=False)
+        if fitted is not None:
+            return (0, fitted[0].cost_flops, fitted[0].peak_bytes), fitted
+        prediction = search.predict(plan, search.movable(plan))
+        return (1, prediction.peak_bytes, prediction.cost_flops), None
+
+    def moved(kept):
+        for t in ordered(kept):
+            for step in (-2, -1, 1, 2) if t in position else ():
+                i = position[t] + step
+                if 0 <= i < len(tensors) and tensors[i] not in kept:
+                    yield kept - {t} | {tensors[i]}
+
+    def neighbours(plan):
+        kept = set(plan)
+        for t in tensors:
+            yield ordered(kept ^ {t})
+        for other in moved(kept):
+            yield ordered(other)
+
+    def added_and_moved(plan):
+        kept, seen = set(plan), set()
+        for t in tensors:
+            if t not in kept:
+                for other in moved(kept):
+                    candidate = tuple(ordered(other | {t}))
+                    if t not in other and candidate not in seen:
+                        seen.add(candidate)
+                        yield list(candidate)
+
+    def best_of(plans, bound=None):  # (plans costing more than a fitting bound: not simulated)
+        return min((scored(p, bound) + (p,) for p in plans if p), key=lambda f: f[0],
+                   default=None)
+
+    starts = [ordered(set(plan)) for plan in plans if plan]
+    if not starts:
+        return None
+    score, fitted, plan = best_of(starts)
+    for _ in range(LOCAL_SEARCH_ROUNDS):
+        best = best_of(neighbours(plan), score)
+        if best is None or best[0] >= score:
+            # Stuck: a checkpoint more where another moves (one more segment, its
+            # boundaries shifted) may fit where neither step alone does.
+            best = best_of(added_and_moved(plan), score)
+        if best is None or best[0] >= score:
+            break
+        score, fitted, plan = best
+    return fitted
