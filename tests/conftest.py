@@ -134,6 +134,19 @@ def _rewrite_small_graphs(request, monkeypatch):
 
 # --- measurements shared by pytest-xdist's workers (tests/_shared_runs.py) ---------------
 
+@pytest.fixture(autouse=True)
+def _measurements_run_alone(request):
+    """Under pytest-xdist (`pytest -n 2`), a test marked `measures` (a peak or a time it
+    asserts on) runs while no other test runs; the others run side by side."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id:
+        yield
+        return
+    from _shared_runs import alone_or_beside_others
+    with alone_or_beside_others(run_id, request.node.get_closest_marker("measures") is not None):
+        yield
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """(pytest-xdist, on the controller) Remembers the run's id, to clean up after it."""

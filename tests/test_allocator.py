@@ -95,6 +95,7 @@ def test_a_buffer_of_many_allocations_holds_no_oversized_chunk():
     assert allocator._requests(1000, 100) == [333, 333, 334]  # (3 of 256 B or more)
 
 
+@pytest.mark.measures
 def test_tensorflows_cpu_allocator_holds_what_the_replay_says():
     """The rules above are TensorFlow's: one 3 MiB tensor holds a 4 MiB chunk (measured
     in a fresh process with the CPU BFC allocator on), as the replay predicts."""
@@ -106,6 +107,7 @@ def test_tensorflows_cpu_allocator_holds_what_the_replay_says():
     assert result["measured"] in (4 * MiB, 4 * MiB + 256), result
 
 
+@pytest.mark.measures
 def test_a_steps_inputs_are_in_the_allocators_memory():
     """memsave.measure.device_input: every input the tests and benchmarks measure a step
     with is held by the allocator whose peak they read (tf.constant of a NumPy array

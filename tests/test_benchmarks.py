@@ -246,6 +246,7 @@ def test_offload_says_what_moved_or_that_nothing_can_be_measured(capsys):
         assert "offload: nothing moved: no accelerator here" in printed, printed
 
 
+@pytest.mark.measures
 def test_jit_notes_give_hlo_ops_and_xla_buffers_and_fit_finds_a_cap_above_them(capsys):
     printed = _small_compare(capsys, "--jit", "--fit")
     notes = [line for line in printed.splitlines() if "optimized HLO" in line]

@@ -11,6 +11,8 @@ import pytest
 from memsave import fresh_process
 from memsave.errors import MemsaveError
 
+pytestmark = pytest.mark.measures  # (deadlines and timeouts: a loaded machine misses them)
+
 SHOW = """
 import json, os, sys
 print(json.dumps({"parent": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(),

@@ -403,6 +403,7 @@ def _measure_embedding(mode):
                         mode=mode, table="variable")
 
 
+@pytest.mark.measures
 def test_embedding_peak_memory_is_not_above_tf_gradients():
     baseline = _measure_embedding("tf")
     got = _measure_embedding("memory")

@@ -181,6 +181,7 @@ def test_bad_input():
         _functional(memsave.keras.MemsaveModel, offload=3)
 
 
+@pytest.mark.measures
 def test_keras_fit_step_saves_memory():
     # The benchmark's defaults: 24 x Dense(256, tanh), batch 2048 (measured 0.57x).
     rows = keras_fit_memory.compare(("memory",), timeout=300, jobs=2)
@@ -195,6 +196,7 @@ def test_keras_fit_step_saves_memory():
     assert abs(patched["ratio"] - memsaved["ratio"]) <= 0.04, rows
 
 
+@pytest.mark.measures
 @pytest.mark.planner_fallback  # (memsave's own choice: no rewrite forced in the children)
 def test_fit_with_adam_is_predicted_with_the_optimizer_state_and_update():
     # Weights dominate (6 x Dense(1024), batch 64, a partial last batch): Adam's two slots
@@ -211,6 +213,7 @@ def test_fit_with_adam_is_predicted_with_the_optimizer_state_and_update():
     assert abs(memsaved["predicted_baseline"] / plain["peak"] - 1) < 0.15, rows
 
 
+@pytest.mark.measures
 @XLA_SAVINGS_MEASURED
 def test_keras_fit_step_under_xla_keeps_its_saving():
     # jit_compile=True in both (measured 0.57x, as without XLA; merged copies gave ~1.0x).

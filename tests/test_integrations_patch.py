@@ -326,6 +326,7 @@ def measure_v1_minimize_peak(patched, depth=DEPTH, batch=BATCH, width=WIDTH):
     return {"peak": int(peak), "losses": losses}
 
 
+@pytest.mark.measures
 def test_patched_minimize_saves_memory():
     target = f"{__name__}:measure_v1_minimize_peak"
     # One process per configuration, both at once (peaks are per process).

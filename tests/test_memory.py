@@ -22,7 +22,7 @@ from _versions import XLA_SAVINGS_MEASURED
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PREDICTION_TOLERANCE = 0.15
 
-pytestmark = pytest.mark.planner_fallback
+pytestmark = [pytest.mark.planner_fallback, pytest.mark.measures]
 
 
 @functools.lru_cache(maxsize=None)

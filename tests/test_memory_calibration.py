@@ -30,6 +30,7 @@ def _measure(case, **kwargs):
     return run_isolated(f"_calibration_cases:{case}", env={"PYTHONPATH": TESTS_DIR}, **kwargs)
 
 
+@pytest.mark.measures
 def test_a_calibrated_byte_budget_counts_the_batch_a_placeholder_leaves_unknown():
     # The model counts a [None, 256] placeholder's batch as 1: 70% of tf.gradients'
     # measured peak looks like room for the whole step, and plain tf.gradients runs
@@ -55,6 +56,7 @@ def test_a_calibrated_byte_budget_counts_the_batch_a_placeholder_leaves_unknown(
     assert "calibrated:" in got["summary"] and "as measured" in got["summary"]
 
 
+@pytest.mark.measures
 def test_a_tf_function_is_calibrated_in_a_fresh_trace_and_then_planned_with_it():
     """The plan's peak is not held to the limit here: as a tf.function this MLP's plans
     measure above their prediction by amounts that change from run to run (the allocator
@@ -73,6 +75,7 @@ def test_a_tf_function_is_calibrated_in_a_fresh_trace_and_then_planned_with_it()
     assert got["peak_mb"] < 0.8 * got["calibration_mb"], got
 
 
+@pytest.mark.measures
 def test_a_memsave_call_in_a_nested_tf_function_is_refused_not_left_answered_plainly():
     got = _measure("nested_function_step")
     assert "not in the step's own trace" in got["error"]

@@ -239,7 +239,7 @@ def test_ci_runs_the_readme_test_command_verbatim():
     first_block = re.search(r"```(?:bash|sh)?\n(.*?)```", readme, re.S).group(1)
     commands = [line.strip() for line in first_block.splitlines() if line.strip()]
     assert commands == ['pip install ".[cpu,bench]" && python benchmarks/compare.py',
-                        'pip install ".[cpu,test]" && pytest -q tests']
+                        'pip install ".[cpu,test]" && pytest -q -n 2 --dist loadfile tests']
     ci = (REPO / ".ci" / "run").read_text()
     assert commands[1] in [line.strip() for line in ci.splitlines()]
     assert "set -euo pipefail" in ci
