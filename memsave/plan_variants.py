@@ -35,8 +35,7 @@ def _last_segment_read_or_recomputed(model, checkpoints, offloaded, options, pre
     is still there, unless forward ops that run after it (a side branch feeding the
     loss) hold the peak."""
     extra = (options.prefetch, options.flops_per_byte) if offloaded else ()
-    flags = dict(read_checkpoints=prediction.reads_checkpoints,
-                 recompute_ahead=prediction.recomputes_ahead, read_last_segment=True)
+    flags = prediction.flags(read_last_segment=True)
     reading = model.predict(checkpoints, offloaded, *extra, **flags)
     if (reading.cost_flops >= prediction.cost_flops
             or reading.peak_bytes > prediction.peak_bytes):
@@ -57,8 +56,7 @@ def _ahead_or_not(model, environment, chosen, checkpoints, offloaded, prediction
     if chosen is False or offloaded or not environment.may_recompute_ahead:
         return prediction
     within = 1 + _FREE_PEAK_TOLERANCE
-    flags = dict(recompute_ahead=True, read_checkpoints=prediction.reads_checkpoints,
-                 read_last_segment=prediction.reads_last_segment)
+    flags = prediction.flags(recompute_ahead=True)
     if not chosen:  # (live tensors first: the allocator's replay only if they qualify)
         ahead = model.predict(checkpoints, **flags)
         if ahead.peak_bytes > prediction.peak_bytes * within:

@@ -217,7 +217,7 @@ def test_a_budget_on_a_language_model_is_predicted():
     same gradients (their sum, float32)."""
     baseline = measure("keras_gpt", mode="tf")
     got = measure("keras_gpt", mode="budget:0.8")
-    assert got["rewritten"] and got["checkpoints"]
+    assert got["rewritten"] and got["checkpoints"] > 0
     _assert_predicted(got, "keras_gpt with budget(0.8)")
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-4)
 

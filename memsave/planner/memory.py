@@ -110,6 +110,13 @@ class Prediction:
         """What the plan adds to the step: recomputation and transfers."""
         return self.recompute_flops + self.transfer_flops
 
+    def flags(self, **changes):
+        """MemoryModel.predict's flags for this prediction's kind of plan, with `changes`
+        (a variant of it: `flags(recompute_ahead=True)`)."""
+        return dict(dict(read_checkpoints=self.reads_checkpoints,
+                         recompute_ahead=self.recomputes_ahead,
+                         read_last_segment=self.reads_last_segment), **changes)
+
     @property
     def recompute_fraction(self):
         """Recomputation as a fraction of one forward pass of the region."""

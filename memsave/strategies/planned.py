@@ -265,8 +265,7 @@ def _ahead_if_it_fits(model, environment, prediction, plan, offloaded, limit):
     segment longer), else `prediction`."""
     if offloaded or not environment.may_recompute_ahead:
         return prediction
-    flags = dict(recompute_ahead=True, read_checkpoints=prediction.reads_checkpoints,
-                 read_last_segment=prediction.reads_last_segment)
+    flags = prediction.flags(recompute_ahead=True)
     # Live tensors first: the allocator never holds less, so a plan whose tensors
     # overrun the limit is not replayed (as search._Search.fits).
     if model.predict(plan, **flags).peak_bytes > limit:
