@@ -137,8 +137,12 @@ def _rewrite_small_graphs(request, monkeypatch):
 @pytest.fixture(autouse=True)
 def _measurements_run_alone(request):
     """Under pytest-xdist (`pytest -n 2`), a test marked `measures` (a peak or a time it
-    asserts on) runs while no other test runs; the others run side by side."""
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    asserts on) runs while no other test runs; the others run side by side.
+
+    Only in a worker itself: a pytest a test starts in a child process (test_parity's)
+    inherits the worker's environment, and taking the lock there while its parent test
+    holds it could wait on a measuring test that waits on the parent."""
+    run_id = getattr(request.config, "workerinput", {}).get("testrunuid")
     if not run_id:
         yield
         return

@@ -46,3 +46,21 @@ def test_a_measuring_test_waits_for_running_tests_then_runs_before_later_ones():
         later.leave()
     finally:
         remove_run_directory(run_id)
+
+
+def test_under_xdist_every_test_holds_the_run_lock(request):
+    """The suite's command runs two workers (README): each test holds the run's lock
+    (conftest._measurements_run_alone), so a measuring test cannot start beside it."""
+    import fcntl
+    import os
+
+    import pytest
+
+    from _shared_runs import run_directory
+
+    run_id = getattr(request.config, "workerinput", {}).get("testrunuid")
+    if not run_id:
+        pytest.skip("not in a pytest-xdist worker (pytest -n 2)")
+    with open(os.path.join(run_directory(run_id), "running.lock"), "w") as running:
+        with pytest.raises(BlockingIOError):  # (held shared by this very test)
+            fcntl.flock(running, fcntl.LOCK_EX | fcntl.LOCK_NB)
