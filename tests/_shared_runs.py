@@ -71,6 +71,7 @@ def alone_or_beside_others(run_id, alone):
     keeps the turnstile, so the other worker's next tests wait behind it instead of
     holding the shared lock again and again (it would never get its turn).
     """
+    global _held
     directory = run_directory(run_id)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "turnstile.lock"), "w") as turnstile, \
@@ -80,4 +81,17 @@ def alone_or_beside_others(run_id, alone):
         fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield
+        _held = "alone" if alone else "beside others"
+        try:
+            yield
+        finally:
+            _held = None
+
+
+_held = None
+
+
+def held():
+    """How this process's running test holds the run's lock: "alone", "beside others",
+    or None (no lock: not in a pytest-xdist worker)."""
+    return _held

@@ -134,20 +134,22 @@ def _rewrite_small_graphs(request, monkeypatch):
 
 # --- measurements shared by pytest-xdist's workers (tests/_shared_runs.py) ---------------
 
-@pytest.fixture(autouse=True)
-def _measurements_run_alone(request):
-    """Under pytest-xdist (`pytest -n 2`), a test marked `measures` (a peak or a time it
-    asserts on) runs while no other test runs; the others run side by side.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist (`pytest -n 2`), a test marked `measures` (a peak, a time or a
+    deadline it asserts on) runs while no other test runs; the others run side by side.
+    Around the whole test, the setup of its module's fixtures included (a module
+    fixture that measures, or builds a virtual environment, runs inside the lock).
 
     Only in a worker itself: a pytest a test starts in a child process (test_parity's)
     inherits the worker's environment, and taking the lock there while its parent test
     holds it could wait on a measuring test that waits on the parent."""
-    run_id = getattr(request.config, "workerinput", {}).get("testrunuid")
+    run_id = getattr(item.config, "workerinput", {}).get("testrunuid")
     if not run_id:
         yield
         return
     from _shared_runs import alone_or_beside_others
-    with alone_or_beside_others(run_id, request.node.get_closest_marker("measures") is not None):
+    with alone_or_beside_others(run_id, item.get_closest_marker("measures") is not None):
         yield
 
 

@@ -323,6 +323,7 @@ def test_fitting_cap_finds_the_smallest_cap_within_tolerance():
     assert compare.fitting_cap(lambda cap: False, peak_mb=50) is None
 
 
+@pytest.mark.measures
 def test_peak_breakdown_accounts_for_every_byte_alive_at_the_measured_peak():
     # Activations (8x32x32x16 floats, 0.5 MiB each) well above the weights' gradients
     # (~0.1 MiB in all): the peak falls in a recomputed segment's backward pass whatever
@@ -350,6 +351,7 @@ def test_peak_breakdown_accounts_for_every_byte_alive_at_the_measured_peak():
     assert "the memory model holds at its own peak" in printed
 
 
+@pytest.mark.measures
 def test_peak_breakdown_of_a_tf_function_step_reads_the_profilers_allocations():
     """The step as the tf.function the tests and compare.py measure: its allocations come
     from TensorFlow's profiler (a function leaves no RunMetadata), and what was held

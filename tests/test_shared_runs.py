@@ -1,10 +1,15 @@
 """The suite's own machinery for pytest-xdist (tests/_shared_runs.py): a test marked
 `measures` runs alone, and a worker's stream of other tests cannot keep it waiting."""
 
+import fcntl
+import os
 import threading
+import time
 import uuid
 
-from _shared_runs import alone_or_beside_others, remove_run_directory
+import pytest
+
+from _shared_runs import alone_or_beside_others, held, remove_run_directory, run_directory
 
 WAIT = 0.5  # seconds a blocked test is given to show that it did not get in
 
@@ -27,6 +32,20 @@ class _Test:
         self._thread.join(10)
 
 
+def _wait_until_taken(path, seconds=10):
+    """Returns once another holder has the lock file at `path`."""
+    deadline = time.monotonic() + seconds
+    with open(path, "w") as lock:
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            time.sleep(0.01)
+    raise AssertionError(f"nothing took {path} in {seconds} s")
+
+
 def test_a_measuring_test_waits_for_running_tests_then_runs_before_later_ones():
     run_id = f"test-{uuid.uuid4().hex}"
     try:
@@ -34,6 +53,7 @@ def test_a_measuring_test_waits_for_running_tests_then_runs_before_later_ones():
         assert first.entered.wait(10) and second.entered.wait(10)  # (side by side)
         measuring = _Test(run_id, alone=True)
         assert not measuring.entered.wait(WAIT)  # (waits while others run)
+        _wait_until_taken(os.path.join(run_directory(run_id), "turnstile.lock"))
         later = _Test(run_id, alone=False)
         assert not later.entered.wait(WAIT)  # (queued behind it, not beside the others)
         first.leave()
@@ -48,19 +68,20 @@ def test_a_measuring_test_waits_for_running_tests_then_runs_before_later_ones():
         remove_run_directory(run_id)
 
 
-def test_under_xdist_every_test_holds_the_run_lock(request):
-    """The suite's command runs two workers (README): each test holds the run's lock
-    (conftest._measurements_run_alone), so a measuring test cannot start beside it."""
-    import fcntl
-    import os
 
-    import pytest
-
-    from _shared_runs import run_directory
-
-    run_id = getattr(request.config, "workerinput", {}).get("testrunuid")
-    if not run_id:
+def _in_a_worker(request):
+    if not getattr(request.config, "workerinput", {}).get("testrunuid"):
         pytest.skip("not in a pytest-xdist worker (pytest -n 2)")
-    with open(os.path.join(run_directory(run_id), "running.lock"), "w") as running:
-        with pytest.raises(BlockingIOError):  # (held shared by this very test)
-            fcntl.flock(running, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_under_xdist_a_test_runs_beside_others(request):
+    """The suite's command runs two workers (README): each test holds the run's lock
+    (conftest.pytest_runtest_protocol), so a measuring test cannot start beside it."""
+    _in_a_worker(request)
+    assert held() == "beside others"
+
+
+@pytest.mark.measures
+def test_under_xdist_a_measuring_test_runs_alone(request):
+    _in_a_worker(request)
+    assert held() == "alone"

@@ -25,12 +25,9 @@ def improved(search, plans, limit_bytes):
         return sorted(ids, key=lambda t: (producer[t], t))
 
     def scored(plan, bound):
-        if bound is not None and bound[0] == 0:
-            # (its recomputation alone: offloading some of its checkpoints only adds
-            # transfers, so a plan recomputing more than `bound` costs is scored no
-            # better, whether it fits or not, without simulating it)
+        if bound is not None and bound[0] == 0 and search.offloadable is None:
             cost = search.cost(plan)
-            if cost > bound[1]:
+            if cost > bound[1]:  # (scored no better than `bound`, whether it fits or not)
                 return (0, cost, float("inf")), None
         fitted = search.fit(plan, limit_bytes, allocator=False)
         if fitted is not None:
