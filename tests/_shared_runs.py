@@ -61,6 +61,16 @@ def remove_run_directory(run_id):
     shutil.rmtree(run_directory(run_id), ignore_errors=True)
 
 
+_held = None  # (alone_or_beside_others': how this process holds the lock now)
+
+
+def worker_run_id(config):
+    """The run id of a pytest-xdist worker's `config`, or None outside a worker: a pytest
+    that a test starts in a child process inherits the worker's environment
+    (RUN_ID_ENV), not its workerinput."""
+    return getattr(config, "workerinput", {}).get("testrunuid")
+
+
 @contextlib.contextmanager
 def alone_or_beside_others(run_id, alone):
     """Runs the block of one test of run `run_id` alone (`alone`: no other worker runs a
@@ -86,9 +96,6 @@ def alone_or_beside_others(run_id, alone):
             yield
         finally:
             _held = None
-
-
-_held = None
 
 
 def held():

@@ -144,11 +144,11 @@ def pytest_runtest_protocol(item, nextitem):
     Only in a worker itself: a pytest a test starts in a child process (test_parity's)
     inherits the worker's environment, and taking the lock there while its parent test
     holds it could wait on a measuring test that waits on the parent."""
-    run_id = getattr(item.config, "workerinput", {}).get("testrunuid")
+    from _shared_runs import alone_or_beside_others, worker_run_id
+    run_id = worker_run_id(item.config)
     if not run_id:
         yield
         return
-    from _shared_runs import alone_or_beside_others
     with alone_or_beside_others(run_id, item.get_closest_marker("measures") is not None):
         yield
 

@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from _shared_runs import alone_or_beside_others, held, remove_run_directory, run_directory
+from _shared_runs import (alone_or_beside_others, held, remove_run_directory, run_directory,
+                          worker_run_id)
 
 WAIT = 0.5  # seconds a blocked test is given to show that it did not get in
 
@@ -68,9 +69,8 @@ def test_a_measuring_test_waits_for_running_tests_then_runs_before_later_ones():
         remove_run_directory(run_id)
 
 
-
 def _in_a_worker(request):
-    if not getattr(request.config, "workerinput", {}).get("testrunuid"):
+    if not worker_run_id(request.config):
         pytest.skip("not in a pytest-xdist worker (pytest -n 2)")
 
 
