@@ -5,6 +5,7 @@
     python benchmarks/compare.py --sweep --depths 6,12,24,48 --memory-limit-mb 400
     python benchmarks/compare.py --build-time          # rewrite time on generated graphs
     python benchmarks/compare.py --budget-sweep        # memsave.budget(F): peak against time
+    python benchmarks/compare.py --model gpt2 --repeat 5   # each ratio's median and range
 
 Every configuration (model, depth, strategy) runs in a fresh Python process
 (`memsave.measure.run_isolated`) with TensorFlow's BFC allocator on, so peaks do
@@ -37,6 +38,11 @@ With --fit, two more:
               itself), or leave out fragmentation (under a cap each buffer must fit in
               one free chunk); see `fitting_cap`;
   x tf        that divided by tf.gradients's.
+With --repeat N, the whole comparison runs N times (each strategy in a fresh process
+each time) and a last table gives, per strategy, the median and the range over the runs
+of the peak, its ratio and the paired step-time ratio: one run's time ratio moves by a
+few hundredths from run to run on a shared 2-core machine, more than the differences
+the benchmarks are asked to show.
 """
 
 import argparse
@@ -44,6 +50,7 @@ import csv
 import logging
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -751,6 +758,42 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+def repeated_rows(runs):
+    """Per strategy (in the first run's order), the median and the (lowest, highest) of
+    its peak, peak ratio and time ratio over `runs` (a list of compare()'s rows), from
+    the runs where it measured: {"strategy", "runs", "<field>": (median, low, high)}."""
+    fields = ("peak_mb", "peak_ratio", "time_ratio")
+    summary = []
+    for strategy in [row["strategy"] for row in runs[0]]:
+        rows = [row for run in runs for row in run
+                if row["strategy"] == strategy and row.get("peak_mb") is not None]
+        entry = {"strategy": strategy, "runs": len(rows)}
+        for field in fields:
+            values = sorted(row[field] for row in rows if row.get(field) is not None)
+            entry[field] = ((statistics.median(values), values[0], values[-1]) if values
+                            else None)
+        summary.append(entry)
+    return summary
+
+
+def format_repeated(summary):
+    """repeated_rows' summary as aligned text: median [lowest-highest] per column."""
+    def cell(value, spec):
+        if value is None:
+            return "-"
+        middle, low, high = value
+        return f"{middle:{spec}} [{low:{spec}}-{high:{spec}}]"
+    header = ("strategy", "runs", "peak MiB", "x tf", "time x tf")
+    lines = [header] + [(entry["strategy"], str(entry["runs"]), cell(entry["peak_mb"], ".1f"),
+                         cell(entry["peak_ratio"], ".2f"), cell(entry["time_ratio"], ".2f"))
+                        for entry in summary]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                      enumerate(zip(line, widths))) for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text + ["(median [lowest-highest] over the runs)"])
+
+
 def format_markdown(rows, title=None):
     """The comparison as a Markdown table."""
     lines = [f"{title}\n"] if title else []
@@ -1153,6 +1196,9 @@ def main(argv=None):
                              "tf.gradients', as the memory model predicts it (nothing runs): "
                              "as text, and as a PNG where a path is given (matplotlib)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the comparison this many times; then each ratio's median "
+                             "and range over the runs")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     args = parser.parse_args(argv)
 
@@ -1244,14 +1290,23 @@ def main(argv=None):
                                            encoding="utf-8")
         return 0
 
-    rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
-                   args.seed, args.memory_limit_mb, model_options, args.timeout,
-                   paired=not args.no_paired, grappler=not args.disable_grappler, jit=args.jit,
-                   offload=args.offload, fit=args.fit,
-                   memory_steps=args.memory_steps or MEMORY_STEPS)
-    title = _title(rows, command)
-    print(title)
-    print(format_table(rows))
+    if args.repeat < 1:
+        parser.error(f"--repeat is {args.repeat}; pass how many times to run the comparison, 1 "
+                     "or more")
+    runs = []
+    for run in range(args.repeat):
+        rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
+                       args.seed, args.memory_limit_mb, model_options, args.timeout,
+                       paired=not args.no_paired, grappler=not args.disable_grappler,
+                       jit=args.jit, offload=args.offload, fit=args.fit,
+                       memory_steps=args.memory_steps or MEMORY_STEPS)
+        runs.append(rows)
+        title = _title(rows, command)
+        print(title + (f" (run {run + 1} of {args.repeat})" if args.repeat > 1 else ""))
+        print(format_table(rows))
+    if args.repeat > 1:
+        print(f"\n{args.repeat} runs:")
+        print(format_repeated(repeated_rows(runs)))
     for row in rows:
         if row.get("report"):
             logger.info("%s: %s", row["strategy"], row["report"])

@@ -455,6 +455,30 @@ def test_table_shows_oom_and_failure_rows():
     assert "tf.gradients: OOM when allocating tensor" in text
 
 
+def test_repeated_runs_give_each_ratios_median_and_range_over_the_runs_that_measured():
+    def run(time_ratio, peak, status="ok"):
+        rows = [_row(None, "tf.gradients", peak=100.0), _row(None, "memory", status, peak)]
+        rows[0].update(peak_ratio=1.0, time_ratio=1.0)
+        if status == "ok":
+            rows[1].update(peak_ratio=peak / 100.0, time_ratio=time_ratio)
+        return rows
+    runs = [run(1.42, 30.0), run(1.36, 28.0), run(0, 0, status="OOM"), run(1.40, 33.0)]
+    base, memory = compare.repeated_rows(runs)
+    assert base["strategy"] == "tf.gradients" and base["runs"] == 4
+    assert memory["strategy"] == "memory" and memory["runs"] == 3  # (not the OOM run)
+    assert memory["time_ratio"] == (1.40, 1.36, 1.42)
+    assert memory["peak_mb"] == (30.0, 28.0, 33.0)
+    assert memory["peak_ratio"] == pytest.approx((0.30, 0.28, 0.33))
+    text = compare.format_repeated([base, memory])
+    assert "1.40 [1.36-1.42]" in text and "30.0 [28.0-33.0]" in text
+
+
+def test_repeat_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--model", "mlp", "--repeat", "0"])
+    assert "--repeat is 0" in capsys.readouterr().err
+
+
 def test_relative_error_compares_saved_gradients(tmp_path):
     reference, other = tmp_path / "a.npz", tmp_path / "b.npz"
     np.savez(reference, g0000=np.array([1.0, -2.0]), g0001=np.array([4.0]))
