@@ -18,8 +18,11 @@ by TensorFlow's profiler, and the time of every op the executor ran is summed by
 Then: the step-time ratio the recomputed ops alone would give (1 + their time over
 tf.gradients' op time), what the measured ratio adds beyond that, how much of the op
 time ran side by side (op time over the step's wall time: the rewrite's ordering edges
-lower it), and the op types whose time changed most outside the recomputation (a
-fusion Grappler no longer makes shows as more, smaller ops of the fused types).
+lower it), the recomputed ops' time by op type, and the op types whose time changed
+most outside the recomputation (a fusion Grappler no longer makes shows as more,
+smaller ops of the fused types). `--variants` times the plan without its ordering edges
+and recomputing ahead, each where that changes the plan (a budget's plan has no
+ordering edges: timing the same step again would show only the noise between runs).
 
 Op times are the executor's (each op's wall time on its inter-op thread, its Eigen
 work included), so they add to more than the step where two ops run at once.
@@ -146,17 +149,16 @@ def profiled_op_times(call, steps):
 
 
 def breakdown(ops, built, steps):
-    """Per kind: seconds per step and op runs per step; per op type outside the
-    recomputation: seconds per step."""
+    """Per kind: seconds per step and op runs per step; per op type, outside the
+    recomputation and in it: seconds per step."""
     seconds, runs = collections.Counter(), collections.Counter()
-    by_type = collections.Counter()
+    by_type, recomputed_by_type = collections.Counter(), collections.Counter()
     for name, op_type, duration in ops:
         kind = kind_of(name, built)
         seconds[kind] += duration / steps
         runs[kind] += 1 / steps
-        if kind != "recomputed":
-            by_type[op_type] += duration / steps
-    return seconds, runs, by_type
+        (recomputed_by_type if kind == "recomputed" else by_type)[op_type] += duration / steps
+    return seconds, runs, by_type, recomputed_by_type
 
 
 def _fetched(grads):
@@ -187,16 +189,33 @@ def measure_breakdown(model="transformer", strategy="memory", depth=None, batch=
     for variant, changes in (VARIANTS.items() if variants else ()):
         variant_built = {}
         step = _step(bench, strategy, variant_built, changes)
+        step(*inputs)  # (traced: its report)
+        report = variant_built["report"]
+        if _same_plan(report, built[strategy]["report"]):
+            result["variants"][variant] = (None, None)  # (nothing to time: the plan is so)
+            continue
         ratio = measure.time_paired(lambda: _fetched(step(*inputs)[1]), calls[BASELINE],
                                     repeats=steps, warmup=2)[2]
-        report = variant_built["report"]
         result["variants"][variant] = (ratio, report and report.predicted_peak_bytes)
     for name in (BASELINE, strategy):
         ops, walls = profiled_op_times(calls[name], profiled)
-        seconds, runs, by_type = breakdown(ops, built[name], profiled)
+        seconds, runs, by_type, recomputed_by_type = breakdown(ops, built[name], profiled)
         result[name] = {"seconds": seconds, "runs": runs, "by_type": by_type,
+                        "recomputed_by_type": recomputed_by_type,
                         "wall_s": statistics.median(walls) if walls else None}
     return result
+
+
+def _same_plan(variant, planned):
+    """Whether a variant's report describes the plan as planned (a budget's plan has no
+    ordering edges to take away): the same checkpoints, order and recomputation ahead."""
+    if variant is None or planned is None:
+        return variant is planned
+
+    def described(report):
+        return ([c.name for c in report.checkpoints], report.orders_backward,
+                report.recomputes_ahead, report.reads_checkpoints, report.reads_last_segment)
+    return described(variant) == described(planned)
 
 
 def derived(result):
@@ -253,8 +272,16 @@ def format_breakdown(result, top=8):
     if result.get("variants"):
         lines.append(f"{strategy} as planned: {result['time_ratio']:.2f}x")
     for variant, (ratio, peak) in result.get("variants", {}).items():
+        if ratio is None:
+            lines.append(f"{strategy} {variant}: the plan as planned (not timed again)")
+            continue
         lines.append(f"{strategy} {variant}: {ratio:.2f}x"
                      + (f", predicted peak {peak / 2**20:.1f} MiB" if peak else ""))
+    recomputed = mine.get("recomputed_by_type", {})
+    if recomputed:
+        lines.append("recomputed op types (ms per step): " + ", ".join(
+            f"{op_type} {seconds * 1e3:.1f}" for op_type, seconds in
+            sorted(recomputed.items(), key=lambda item: -item[1])[:top]))
     changes = sorted(set(theirs["by_type"]) | set(mine["by_type"]),
                      key=lambda t: -abs(mine["by_type"][t] - theirs["by_type"][t]))
     lines.append(f"op types whose time changed most outside the recomputation (ms per step):")

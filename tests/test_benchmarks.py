@@ -547,9 +547,23 @@ def test_time_breakdown_sums_the_recomputed_ops_apart_and_times_the_plan_without
     assert theirs["runs"]["forward"] > 0 and mine["runs"]["forward"] > 0
     assert theirs["runs"]["backward"] > 0 and mine["runs"]["backward"] > 0
     assert result["time_ratio"] > 0 and set(result["variants"]) == set(time_breakdown.VARIANTS)
+    assert result["variants"]["without ordering edges"][0] > 0  # ('memory' orders: timed)
     facts = time_breakdown.derived(result)
     assert facts["recomputed_alone"] > 1
+    # (the MLP's copies are its MatMuls, BiasAdds and Tanhs: where their time went)
+    assert set(mine["recomputed_by_type"]) & {"Tanh", "MatMul", "_MklMatMul", "_FusedMatMul",
+                                              "_MklFusedMatMul"}, mine["recomputed_by_type"]
     printed = time_breakdown.format_breakdown(result)
     for line in ("recomputed", "beyond the recomputation", "without ordering edges",
-                 "ran side by side"):
+                 "ran side by side", "recomputed op types (ms per step): "):
         assert line in printed, printed
+
+
+def test_time_breakdown_does_not_time_a_variant_that_is_the_plan_itself():
+    """A budget's plan has no ordering edges: 'without ordering edges' is the same step,
+    and timing it again would only show the noise between two runs of one step."""
+    result = time_breakdown.measure_breakdown("mlp", "budget:0.85", depth=16, batch=512, steps=1,
+                                              profiled=1, variants=True)
+    assert result["variants"]["without ordering edges"] == (None, None)
+    assert ("without ordering edges: the plan as planned (not timed again)"
+            in time_breakdown.format_breakdown(result))
