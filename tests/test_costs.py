@@ -36,6 +36,22 @@ def test_heavy_ops_cost_their_flops_others_their_elements_at_the_machines_price(
     assert price.of(ops["FusedBatchNormV3"]) == 70 * (elements + 4 * 8)
 
 
+def test_a_reduction_costs_the_elements_it_reads_and_a_reshape_none():
+    """A Reshape's output is its input's buffer (no data moves); a Mean reads its whole
+    input and writes a few elements (keras-hub GPT-2's layer-norm Means took 11.7 ms of a
+    budget plan's recomputation, priced at nothing by their outputs)."""
+    price = costs.Costs(per_element=30.0)
+    with tf.Graph().as_default():
+        x = tf.constant(np.ones([64, 256], np.float32))
+        mean = tf.reduce_mean(x, axis=-1, keepdims=True)
+        total = tf.reduce_sum(x)
+        flat = tf.reshape(x, [-1])
+        shifted = x - mean
+    assert price.of(mean.op) == price.of(total.op) == 30 * 64 * 256
+    assert price.of(flat.op) == 0
+    assert price.of(shifted.op) == 30 * 64 * 256  # (elementwise: its output's elements)
+
+
 def test_use_selects_the_costs_a_model_is_built_with_and_restores_on_exit():
     dear = costs.Costs(per_element=1000.0, op_overhead=0, segment_overhead=0)
     assert costs.active() is costs.DEFAULT_COSTS

@@ -74,7 +74,8 @@ def test_rewritten_peak_of_a_chain_with_one_checkpoint():
     price = costs.DEFAULT_COSTS
     assert prediction.recompute_flops == int(8 * (256 * 256 * price.per_element + price.op_overhead)
                                              + 2 * price.segment_overhead)
-    assert prediction.forward_flops == int(8 * 256 * 256 * price.per_element + price.per_element
+    # (the Sum, a reduction, is priced by the elements it reads)
+    assert prediction.forward_flops == int(9 * 256 * 256 * price.per_element
                                            + 9 * price.op_overhead)
 
 

@@ -2,9 +2,10 @@
 
 Every cost of the planner is in one unit, FLOPs of the machine's matmuls and
 convolutions: a matmul or a convolution costs its FLOPs (opinfo.flops); any
-other op costs its output elements times a per-element price, because on real
-hardware elementwise ops, reductions and normalisations are bound by memory
-traffic, not arithmetic (on the CPU measured, a ReLU or an add over an element
+other op costs its output elements (a reduction: the elements it reads; a Reshape or
+an identity, whose output is its input's buffer: none) times a per-element price,
+because on real hardware elementwise ops, reductions and normalisations are bound
+by memory traffic, not arithmetic (on the CPU measured, a ReLU or an add over an element
 of a large tensor takes as long as ~35 FLOPs of a convolution, a training-mode
 batch norm ~80); each op run and each recomputed segment costs a fixed overhead
 on top.
@@ -76,7 +77,7 @@ class Costs:
         dimensions as `unknown_dim_size` (the batch the step is planned for)."""
         if op.type in opinfo.HEAVY_OP_TYPES:
             return opinfo.flops(op, unknown_dim_size)
-        elements = opinfo.output_elements(op, unknown_dim_size)
+        elements = opinfo.priced_elements(op, unknown_dim_size)
         if op.type in opinfo.NORMALISATION_OP_TYPES:
             return int(elements * self.per_normalised_element)
         return int(elements * self.per_element)

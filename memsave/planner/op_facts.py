@@ -67,6 +67,8 @@ class OpFacts:
     normalisation: bool = False
     # Whether its outputs are worth keeping although flops() does not count it.
     expensive_kernel: bool = False
+    # Whether it reduces input 0 (priced per element it reads, not per one it writes).
+    reduction: bool = False
 
     @property
     def heavy(self):
@@ -265,7 +267,8 @@ _given_each("gradient_into_output", {"SparseSoftmaxCrossEntropyWithLogits": (0, 
 # --- What running it again costs -----------------------------------------------------
 # The cost model (memsave.planner.costs) and the strategies (memsave.strategies) read
 # these. Ops whose cost is dominated by multiply-adds, priced by their FLOPs (flops()
-# counts these); everything else is priced per output element.
+# counts these); everything else is priced per output element (but reductions and
+# aliasing ops, below).
 _given(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], flops_kind="matmul")
 _given(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"], flops_kind="conv")
 _given(["Einsum"], flops_kind="einsum")
@@ -273,6 +276,12 @@ _given(["Einsum"], flops_kind="einsum")
 # several passes over the data (priced per normalised element).
 _given(["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "_FusedBatchNormEx",
         "LayerNorm"], normalisation=True)
+# Reductions read every element of their input and write few: priced per element read.
+# (Measured, Intel Xeon with AVX-512: keras-hub GPT-2's recomputed layer-norm Means took
+# 11.7 ms of a step where their outputs priced them at nothing.) Ops whose output is
+# their input's buffer (aliases_input: a Reshape) cost only an op's overhead.
+_given(["Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin",
+        "EuclideanNorm"], reduction=True)
 # Ops whose outputs are worth keeping rather than recomputing (`expensive`): 'speed'
 # keeps them, and 'memory' (with a tolerance) and budgets add them to a plan while they
 # fit. The heavy ops, and kernels flops() does not count (fused and oneDNN kernels,

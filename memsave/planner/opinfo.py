@@ -29,6 +29,7 @@ CONV_LIKE = types_where(lambda f: f.flops_kind == "conv")
 HEAVY_OP_TYPES = types_where(lambda f: f.heavy)
 NORMALISATION_OP_TYPES = types_where(lambda f: f.normalisation)
 EXPENSIVE_OP_TYPES = types_where(lambda f: f.expensive)
+REDUCTION_OP_TYPES = types_where(lambda f: f.reduction)
 
 
 def passes_gradient(op):
@@ -136,6 +137,18 @@ def output_elements(op, unknown_dim_size=1):
     """Elements of `op`'s outputs (unknown dimensions count as `unknown_dim_size`)."""
     dims = (sized_dims(t, unknown_dim_size) for t in op.outputs)
     return sum(elements(d) for d in dims if d is not None)
+
+
+def priced_elements(op, unknown_dim_size=1):
+    """The elements the cost model prices an op that is not heavy by: those a reduction
+    reads (input 0), none where output 0 is input 0's buffer (a Reshape moves no data),
+    else its output elements."""
+    if op.type in ALIAS_OP_TYPES:
+        return 0
+    if op.type in REDUCTION_OP_TYPES and op.inputs:
+        dims = sized_dims(op.inputs[0], unknown_dim_size)
+        return elements(dims) if dims is not None else 0
+    return output_elements(op, unknown_dim_size)
 
 
 def flops(op, unknown_dim_size=1):
