@@ -40,9 +40,10 @@ With --fit, two more:
   x tf        that divided by tf.gradients's.
 With --repeat N, the whole comparison runs N times (each strategy in a fresh process
 each time) and a last table gives, per strategy, the median and the range over the runs
-of the peak, its ratio and the paired step-time ratio: one run's time ratio moves by a
-few hundredths from run to run on a shared 2-core machine, more than the differences
-the benchmarks are asked to show.
+of the peak, its ratio and the step-time ratio (the table's: paired unless --no-paired):
+one run's time ratio moves by a few hundredths from run to run on a shared 2-core
+machine, more than the differences the benchmarks are asked to show. --csv then holds
+every run's rows (a `run` column), --markdown the last run's table and the summary.
 """
 
 import argparse
@@ -749,11 +750,7 @@ def _cells(row, columns=TABLE_COLUMNS):
 def format_table(rows):
     """The comparison as aligned text (notes for failed or odd rows below it)."""
     columns = _columns(rows)
-    cells = [list(columns)] + [_cells(row, columns) for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                       enumerate(zip(line, widths))) for line in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = _aligned([list(columns)] + [_cells(row, columns) for row in rows])
     lines += _notes(rows)
     return "\n".join(lines)
 
@@ -761,7 +758,13 @@ def format_table(rows):
 def repeated_rows(runs):
     """Per strategy (in the first run's order), the median and the (lowest, highest) of
     its peak, peak ratio and time ratio over `runs` (a list of compare()'s rows), from
-    the runs where it measured: {"strategy", "runs", "<field>": (median, low, high)}."""
+    the runs where it measured.
+
+    Returns:
+      [{"strategy", "runs": runs where it measured, "<field>": (median, low, high, n)}]:
+      n, the runs the field has a value in (a ratio has none where tf.gradients failed);
+      the field is None where no run has one.
+    """
     fields = ("peak_mb", "peak_ratio", "time_ratio")
     summary = []
     for strategy in [row["strategy"] for row in runs[0]]:
@@ -770,28 +773,36 @@ def repeated_rows(runs):
         entry = {"strategy": strategy, "runs": len(rows)}
         for field in fields:
             values = sorted(row[field] for row in rows if row.get(field) is not None)
-            entry[field] = ((statistics.median(values), values[0], values[-1]) if values
-                            else None)
+            entry[field] = ((statistics.median(values), values[0], values[-1], len(values))
+                            if values else None)
         summary.append(entry)
     return summary
 
 
 def format_repeated(summary):
-    """repeated_rows' summary as aligned text: median [lowest-highest] per column."""
-    def cell(value, spec):
-        if value is None:
+    """repeated_rows' summary as aligned text: median [lowest-highest] per column, with
+    (n=K) where a column has fewer runs than the strategy measured in."""
+    def cell(entry, field, spec):
+        if entry[field] is None:
             return "-"
-        middle, low, high = value
-        return f"{middle:{spec}} [{low:{spec}}-{high:{spec}}]"
+        middle, low, high, count = entry[field]
+        text = f"{middle:{spec}} [{low:{spec}}-{high:{spec}}]"
+        return text + (f" (n={count})" if count != entry["runs"] else "")
     header = ("strategy", "runs", "peak MiB", "x tf", "time x tf")
-    lines = [header] + [(entry["strategy"], str(entry["runs"]), cell(entry["peak_mb"], ".1f"),
-                         cell(entry["peak_ratio"], ".2f"), cell(entry["time_ratio"], ".2f"))
+    lines = [header] + [(entry["strategy"], str(entry["runs"]), cell(entry, "peak_mb", ".1f"),
+                         cell(entry, "peak_ratio", ".2f"), cell(entry, "time_ratio", ".2f"))
                         for entry in summary]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(_aligned(lines) + ["(median [lowest-highest] over the runs)"])
+
+
+def _aligned(lines):
+    """Rows of cells as text lines: the first column left-aligned, the others right,
+    a rule under the header."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     text = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                       enumerate(zip(line, widths))) for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(text + ["(median [lowest-highest] over the runs)"])
+    return text
 
 
 def format_markdown(rows, title=None):
@@ -1201,6 +1212,7 @@ def main(argv=None):
                              "and range over the runs")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     args = parser.parse_args(argv)
+    _check_repeat(parser, args)
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
@@ -1290,9 +1302,6 @@ def main(argv=None):
                                            encoding="utf-8")
         return 0
 
-    if args.repeat < 1:
-        parser.error(f"--repeat is {args.repeat}; pass how many times to run the comparison, 1 "
-                     "or more")
     runs = []
     for run in range(args.repeat):
         rows = compare(args.model, args.depth, args.batch, strategies, args.steps, args.warmup,
@@ -1304,18 +1313,37 @@ def main(argv=None):
         title = _title(rows, command)
         print(title + (f" (run {run + 1} of {args.repeat})" if args.repeat > 1 else ""))
         print(format_table(rows))
+    repeated = ""
     if args.repeat > 1:
-        print(f"\n{args.repeat} runs:")
-        print(format_repeated(repeated_rows(runs)))
+        repeated = f"{args.repeat} runs:\n{format_repeated(repeated_rows(runs))}"
+        print(f"\n{repeated}")
     for row in rows:
         if row.get("report"):
             logger.info("%s: %s", row["strategy"], row["report"])
-    if args.csv:
-        write_csv(rows, args.csv)
-    if args.markdown:
+    if args.csv:  # (every run's rows, numbered)
+        write_csv([dict(row, run=number) for number, run in enumerate(runs, 1) for row in run],
+                  args.csv, ("run",) + CSV_FIELDS)
+    if args.markdown:  # (the last run's table, and the runs' medians and ranges)
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(format_markdown(rows, title), encoding="utf-8")
+        Path(args.markdown).write_text(
+            format_markdown(rows, title) + (f"\n```\n{repeated}\n```\n" if repeated else ""),
+            encoding="utf-8")
     return 0
+
+
+# The modes of main that run something else than the side-by-side comparison.
+_OTHER_MODES = ("picture", "predict_table", "build_time", "budget_sweep", "sweep")
+
+
+def _check_repeat(parser, args):
+    """--repeat: a count of 1 or more, for the side-by-side comparison only."""
+    if args.repeat < 1:
+        parser.error(f"--repeat is {args.repeat}; pass how many times to run the comparison, 1 "
+                     "or more")
+    other = [mode for mode in _OTHER_MODES if getattr(args, mode)]
+    if args.repeat != 1 and other:
+        parser.error(f"--repeat applies to the side-by-side comparison, not to "
+                     f"--{other[0].replace('_', '-')}; leave one of them out")
 
 
 if __name__ == "__main__":

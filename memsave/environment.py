@@ -86,6 +86,15 @@ class Environment:
                    loop_chunk=loop_chunk, folds_constants=not under_xla and _folds_constants())
 
     @property
+    def holds_a_limit(self):
+        """Whether the plan is for a device that holds a capped memory as one region
+        (ONE_REGION: memsave.capacity's question, will the step run within a limit?).
+        There a step must fit however the executor schedules it, so where the model
+        would count the middle of a range (how far a loop's gradient runs ahead), it
+        counts the top."""
+        return self.allocator == ONE_REGION
+
+    @property
     def may_read_checkpoints(self):
         """Whether segments may read their checkpoints as the forward pass made them: not
         under XLA, where the reads go through conditionals (as the copies' inputs do,

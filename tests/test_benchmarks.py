@@ -8,6 +8,7 @@ import csv
 import math
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -466,17 +467,48 @@ def test_repeated_runs_give_each_ratios_median_and_range_over_the_runs_that_meas
     base, memory = compare.repeated_rows(runs)
     assert base["strategy"] == "tf.gradients" and base["runs"] == 4
     assert memory["strategy"] == "memory" and memory["runs"] == 3  # (not the OOM run)
-    assert memory["time_ratio"] == (1.40, 1.36, 1.42)
-    assert memory["peak_mb"] == (30.0, 28.0, 33.0)
-    assert memory["peak_ratio"] == pytest.approx((0.30, 0.28, 0.33))
+    assert memory["time_ratio"] == (1.40, 1.36, 1.42, 3)
+    assert memory["peak_mb"] == (30.0, 28.0, 33.0, 3)
+    assert memory["peak_ratio"] == pytest.approx((0.30, 0.28, 0.33, 3))
     text = compare.format_repeated([base, memory])
     assert "1.40 [1.36-1.42]" in text and "30.0 [28.0-33.0]" in text
+    # A strategy that measured in no run, and a ratio a run lacks (tf.gradients failed).
+    runs[0][1]["peak_ratio"] = None
+    gone = [[dict(row, peak_mb=None)] for row in (runs[1][0],)]
+    assert compare.repeated_rows(gone)[0]["peak_mb"] is None
+    assert "-" in compare.format_repeated(compare.repeated_rows(gone)).splitlines()[2]
+    assert "(n=2)" in compare.format_repeated(compare.repeated_rows(runs))
 
 
-def test_repeat_below_one_is_refused(capsys):
+def test_repeat_below_one_or_with_another_mode_is_refused(capsys):
     with pytest.raises(SystemExit):
         compare.main(["--model", "mlp", "--repeat", "0"])
     assert "--repeat is 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.main(["--model", "mlp", "--sweep", "--repeat", "2"])
+    assert "not to --sweep" in capsys.readouterr().err
+
+
+def test_repeated_comparison_writes_every_run_to_csv_and_the_summary_to_markdown(
+        tmp_path, capsys, monkeypatch):
+    """main with --repeat, its measuring runs replaced by canned rows (one per run)."""
+    ratios = iter([1.42, 1.36, 1.40])
+
+    def canned(*args, **kwargs):
+        rows = [_row(None, "tf.gradients", peak=100.0), _row(None, "memory", peak=30.0)]
+        rows[0].update(peak_ratio=1.0, time_ratio=1.0)
+        rows[1].update(peak_ratio=0.3, time_ratio=next(ratios))
+        return rows
+    monkeypatch.setattr(compare, "compare", canned)
+    csv_path, md_path = tmp_path / "runs.csv", tmp_path / "runs.md"
+    assert compare.main(["--model", "mlp", "--repeat", "3", "--csv", str(csv_path),
+                         "--markdown", str(md_path), "--quiet"]) == 0
+    assert "1.40 [1.36-1.42]" in capsys.readouterr().out
+    rows = _read_csv(csv_path)
+    assert [(row["run"], row["strategy"]) for row in rows] == [
+        (str(run), strategy) for run in (1, 2, 3) for strategy in ("tf.gradients", "memory")]
+    markdown = md_path.read_text(encoding="utf-8")
+    assert "| memory |" in markdown and "3 runs:" in markdown and "1.40 [1.36-1.42]" in markdown
 
 
 def test_relative_error_compares_saved_gradients(tmp_path):
@@ -557,6 +589,20 @@ def test_time_breakdown_sums_the_recomputed_ops_apart_and_times_the_plan_without
     for line in ("recomputed", "beyond the recomputation", "without ordering edges",
                  "ran side by side", "recomputed op types (ms per step): "):
         assert line in printed, printed
+
+
+def test_a_variant_is_the_plan_itself_only_where_every_choice_of_its_report_is_the_same():
+    def report(**changes):
+        fields = dict(checkpoints=[types.SimpleNamespace(name="a:0")], orders_backward=False,
+                      recomputes_ahead=False, reads_checkpoints=False, reads_last_segment=True)
+        return types.SimpleNamespace(**dict(fields, **changes))
+    assert time_breakdown._same_plan(report(), report())
+    assert not time_breakdown._same_plan(report(orders_backward=True), report())
+    assert not time_breakdown._same_plan(report(recomputes_ahead=True), report())
+    assert not time_breakdown._same_plan(
+        report(checkpoints=[types.SimpleNamespace(name="b:0")]), report())
+    assert not time_breakdown._same_plan(None, report())
+    assert not time_breakdown._same_plan(None, None)
 
 
 def test_time_breakdown_does_not_time_a_variant_that_is_the_plan_itself():

@@ -47,9 +47,17 @@ def test_a_reduction_costs_the_elements_it_reads_and_a_reshape_none():
         total = tf.reduce_sum(x)
         flat = tf.reshape(x, [-1])
         shifted = x - mean
-    assert price.of(mean.op) == price.of(total.op) == 30 * 64 * 256
+        checked = tf.debugging.check_numerics(x, "x")
+        l2 = tf.nn.l2_loss(x)
+        unknown = tf.compat.v1.placeholder(tf.float32, shape=None)
+        unknown_sum = tf.reduce_sum(unknown)
+    assert price.of(mean.op) == price.of(total.op) == price.of(l2.op) == 30 * 64 * 256
     assert price.of(flat.op) == 0
     assert price.of(shifted.op) == 30 * 64 * 256  # (elementwise: its output's elements)
+    # CheckNumerics passes its input's buffer on, but scans it: not free.
+    assert price.of(checked.op) == 30 * 64 * 256
+    # A reduction of an input of unknown rank: priced by its output, as before.
+    assert price.of(unknown_sum.op) == 30
 
 
 def test_use_selects_the_costs_a_model_is_built_with_and_restores_on_exit():

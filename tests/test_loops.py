@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from memsave import planner
+from memsave import environment, planner
 from memsave.graph import _tf_private, loops
 from memsave.inputs import normalise_call
 from memsave.planner.loops import loop_memory
@@ -202,6 +202,34 @@ def test_the_model_counts_what_each_iteration_keeps():
     outputs = carry
     assert memory.kept_by_copy == STEPS * carry + outputs + 4 * block, memory
     assert memory.why_kept is None
+
+
+def test_under_a_limit_the_gradient_loop_is_counted_running_its_whole_parallel_iterations_ahead():
+    """Each iteration of the gradient loop makes a weight-sized product the running sum
+    takes in turn: how many it holds at once depends on how far ahead the executor runs
+    (a Keras LSTM stack: one kernel gradient, or 32 of them). The model counts half of
+    parallel_iterations, and all of them where the step must fit a limit
+    (memsave.capacity, Environment.holds_a_limit)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x_seq = tf.constant(RNG.uniform(-1, 1, [STEPS, 1, 64]))
+        w = tf.Variable(RNG.standard_normal([64, 64]) / 8)
+
+        def body(i, h):
+            return i + 1, tf.tanh(tf.matmul(x_seq[i], w) + h)
+        _, h = tf.while_loop(lambda i, h: i < STEPS, body,
+                             [tf.constant(0), tf.zeros([1, 64], tf.float64)],
+                             maximum_iterations=STEPS)
+        loop, = [op for op in graph.get_operations() if loops.is_loop(op)]
+        middle, top = loop_memory(loop), loop_memory(loop, whole_run_ahead=True)
+    product = 64 * 64 * 8  # (the weight's gradient, per iteration)
+    parallel = min(loop.get_attr("parallel_iterations"), STEPS)
+    # (the other half of parallel_iterations, each iteration's product at least: the
+    # products of what the body reads from outside, less what an iteration frees)
+    assert (top.gradient_run_ahead - middle.gradient_run_ahead
+            >= (parallel - parallel // 2) * product > 0), (middle, top)
+    assert environment.Environment(allocator=environment.ONE_REGION).holds_a_limit
+    assert not environment.Environment(allocator=environment.CPU_GROWING).holds_a_limit
 
 
 def test_the_model_counts_tensor_lists_as_their_elements():

@@ -48,7 +48,8 @@ class Costs:
 
     Attributes:
       per_element: per output element of an op that is neither a matmul, a
-        convolution nor a normalisation (elementwise ops, reductions, casts, ...).
+        convolution nor a normalisation (elementwise ops, casts, ...), per element
+        read of a reduction; an op that moves no data (a Reshape) costs none.
       per_normalised_element: per output element of a normalisation
         (opinfo.NORMALISATION_OP_TYPES).
       op_overhead: per op run (the executor's dispatch, an allocation, a launch).

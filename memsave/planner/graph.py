@@ -24,10 +24,9 @@ from memsave.planner.op_kinds import FORWARD, KEPT, REGION, RESIDENT
 logger = logging.getLogger(__name__)
 
 # How an op takes part in the step (StepGraph.kind): RESIDENT, REGION, KEPT, FORWARD
-# (memsave.planner.op_kinds); the planner's modules import them from here.
-
-# A region tensor of at most 1/SMALL_FRACTION of the largest is read from the forward
-# pass rather than recomputed (StepGraph.small).
+# (memsave.planner.op_kinds); the planner's modules import them from here. A region
+# tensor of at most 1/SMALL_FRACTION of the largest is read from the forward pass
+# rather than recomputed (StepGraph.small).
 SMALL_FRACTION = 1024
 
 
@@ -188,7 +187,8 @@ class StepGraph:
             if op in kept and graph_loops.is_loop(op):
                 step.loops[step.op_id[op]] = loop_memory(
                     op, unknown_dim_size, stopped=op in region.stopped_ops,
-                    under_xla=environment.under_xla, chunk=environment.loop_chunk)
+                    under_xla=environment.under_xla, chunk=environment.loop_chunk,
+                    whole_run_ahead=environment.holds_a_limit)
         if not environment.under_xla:  # (XLA's kernels make workspaces of their own)
             step._size_workspaces()
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]

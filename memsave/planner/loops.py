@@ -107,13 +107,16 @@ def carries_kept(iterations, chunk):
     return -(-iterations // chunk) + min(chunk, iterations)
 
 
-def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk="auto"):
+def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk="auto",
+                whole_run_ahead=False):
     """The LoopMemory of while_v2 loop op `loop` (`memsave.graph.loops.is_loop`);
     `stopped`: one of its outputs is in the call's stop_gradients (its copy's would not
     be: the loop is differentiated as it is); `under_xla`: the step is compiled by XLA,
     which drops the control inputs that hold a copy back to the backward pass (it would
     run beside the loop, keeping what it exists not to keep); `chunk`: the
-    memsave.recompute_loops chunk (`chunk_for`)."""
+    memsave.recompute_loops chunk (`chunk_for`); `whole_run_ahead`: count TensorFlow's
+    gradient loop running its whole parallel_iterations ahead, not half (a step that
+    must fit a limit: Environment.holds_a_limit)."""
     iterations = _iterations(loop)
     body = _tf_private.loop_body_to_read(loop, _tf_private.loop_output_shapes(loop))
     invariant = graph_loops.passed_on_unchanged(body)
@@ -150,8 +153,12 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
     # (How far ahead the executor runs varies from step to step: on the LSTM benchmark
     # (AMD EPYC, 2 cores) tf.gradients' peak was 110-151 MiB over five runs, the whole
     # parallel_iterations ahead in the highest; on an AMD EPYC with AVX-512 (oneDNN on),
-    # 111-113 or 135-146 MiB. Half of it is predicted: 125.6 MiB.)
-    parallel = max(1, parallel // 2)
+    # 111-113 or 135-146 MiB. Half of it is predicted: 125.6 MiB. Under a limit the
+    # whole is: on the Intel Xeon with AVX-512, plain Keras' stack at batch 45 held 87-90
+    # MiB in three runs of six and 131-136 in the others, each LSTM kernel's gradient
+    # 32 times over, and max_batch_size's answer from half ran out of memory.)
+    if not whole_run_ahead:
+        parallel = max(1, parallel // 2)
     return LoopMemory(iterations=count, known=iterations is not None,
                       kept_by_tensorflow=count * per_iteration, kept_by_copy=kept_by_copy,
                       why_kept=why,

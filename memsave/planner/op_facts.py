@@ -69,6 +69,9 @@ class OpFacts:
     expensive_kernel: bool = False
     # Whether it reduces input 0 (priced per element it reads, not per one it writes).
     reduction: bool = False
+    # Whether it moves no data (output 0 is input 0's buffer, read by nothing): priced
+    # at an op's overhead alone.
+    moves_no_data: bool = False
 
     @property
     def heavy(self):
@@ -268,7 +271,7 @@ _given_each("gradient_into_output", {"SparseSoftmaxCrossEntropyWithLogits": (0, 
 # The cost model (memsave.planner.costs) and the strategies (memsave.strategies) read
 # these. Ops whose cost is dominated by multiply-adds, priced by their FLOPs (flops()
 # counts these); everything else is priced per output element (but reductions and
-# aliasing ops, below).
+# ops that move no data, below).
 _given(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], flops_kind="matmul")
 _given(["Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput"], flops_kind="conv")
 _given(["Einsum"], flops_kind="einsum")
@@ -278,10 +281,15 @@ _given(["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "_FusedBatchNo
         "LayerNorm"], normalisation=True)
 # Reductions read every element of their input and write few: priced per element read.
 # (Measured, Intel Xeon with AVX-512: keras-hub GPT-2's recomputed layer-norm Means took
-# 11.7 ms of a step where their outputs priced them at nothing.) Ops whose output is
-# their input's buffer (aliases_input: a Reshape) cost only an op's overhead.
+# 11.7 ms of a step where their outputs priced them at nothing.)
 _given(["Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin",
-        "EuclideanNorm"], reduction=True)
+        "EuclideanNorm", "L2Loss", "SegmentSum", "UnsortedSegmentSum", "TopKV2"],
+       reduction=True)
+# Ops whose output is their input's buffer and that read none of it cost only an op's
+# overhead (not CheckNumerics, which scans its input; not Snapshot, which copies where
+# it cannot forward).
+_given(["Identity", "StopGradient", "Reshape", "Squeeze", "ExpandDims", "EnsureShape",
+        "PreventGradient"], moves_no_data=True)
 # Ops whose outputs are worth keeping rather than recomputing (`expensive`): 'speed'
 # keeps them, and 'memory' (with a tolerance) and budgets add them to a plan while they
 # fit. The heavy ops, and kernels flops() does not count (fused and oneDNN kernels,

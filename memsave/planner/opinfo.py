@@ -30,6 +30,7 @@ HEAVY_OP_TYPES = types_where(lambda f: f.heavy)
 NORMALISATION_OP_TYPES = types_where(lambda f: f.normalisation)
 EXPENSIVE_OP_TYPES = types_where(lambda f: f.expensive)
 REDUCTION_OP_TYPES = types_where(lambda f: f.reduction)
+NO_DATA_OP_TYPES = types_where(lambda f: f.moves_no_data)
 
 
 def passes_gradient(op):
@@ -140,14 +141,15 @@ def output_elements(op, unknown_dim_size=1):
 
 
 def priced_elements(op, unknown_dim_size=1):
-    """The elements the cost model prices an op that is not heavy by: those a reduction
-    reads (input 0), none where output 0 is input 0's buffer (a Reshape moves no data),
-    else its output elements."""
-    if op.type in ALIAS_OP_TYPES:
+    """The elements the cost model prices an op that is not heavy by: none for an op
+    that moves no data (a Reshape), those a reduction reads (input 0, where its rank is
+    known), else its output elements."""
+    if op.type in NO_DATA_OP_TYPES:
         return 0
     if op.type in REDUCTION_OP_TYPES and op.inputs:
         dims = sized_dims(op.inputs[0], unknown_dim_size)
-        return elements(dims) if dims is not None else 0
+        if dims is not None:
+            return elements(dims)
     return output_elements(op, unknown_dim_size)
 
 
