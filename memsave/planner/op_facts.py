@@ -69,7 +69,7 @@ class OpFacts:
     expensive_kernel: bool = False
     # Whether it reduces input 0 (priced per element it reads, not per one it writes).
     reduction: bool = False
-    # Whether it moves no data (output 0 is input 0's buffer, read by nothing): priced
+    # Whether it moves no data (output 0 is input 0's buffer, and it reads none of it): priced
     # at an op's overhead alone.
     moves_no_data: bool = False
 
