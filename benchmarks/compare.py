@@ -27,6 +27,9 @@ Columns of the table:
   step ms     median wall time of one step (forward, loss, gradients);
   x tf        median over the rounds of (this step / tf.gradients's step), timed
               side by side in the same process;
+  pred x      that ratio as the cost model predicts it (report.step_time_ratio: the
+              recomputation priced per FLOP and per element, over a step of three
+              forward passes; what the rewrite costs beyond it is not in it);
   max rel err max over variables of max|g - g_tf| / max|g_tf|;
   build s     seconds spent inside the gradient function while tracing
               (tf.gradients itself, or memsave's whole rewrite);
@@ -88,10 +91,10 @@ MEMORY_STEPS = 2  # steps over which the peak is taken
 PREDICT_MEMORY_STEPS = 8
 
 TABLE_COLUMNS = ("strategy", "peak MiB", "x tf", "predicted MiB", "pred err", "step ms", "x tf",
-                 "max rel err", "build s", "ckpts")
+                 "pred x", "max rel err", "build s", "ckpts")
 CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_ratio",
               "predicted_mb", "predicted_error", "recompute_fraction",
-              "resting_mb", "step_ms", "time_ratio", "paired_base_step_ms",
+              "resting_mb", "step_ms", "time_ratio", "predicted_time_ratio", "paired_base_step_ms",
               "time_ratio_separate", "max_rel_err", "grad_build_s", "trace_s", "first_call_s",
               "checkpoints", "copied_ops", "graph_ops", "xla_buffer_mb", "fits_mb", "fits_ratio",
               "device", "message")
@@ -279,6 +282,8 @@ def _report_summary(strategy):
         value = getattr(report, field, None)
         if value is not None:
             summary[field] = value
+    if getattr(report, "step_time_ratio", None) is not None:
+        summary["predicted_time_ratio"] = report.step_time_ratio
     if hasattr(report, "summary"):
         summary["report"] = report.summary()
     return summary
@@ -740,7 +745,7 @@ def _cells(row, columns=TABLE_COLUMNS):
     cells = [row["strategy"], _fmt(row["peak_mb"], ".1f"), _fmt(row["peak_ratio"], ".2f"),
              _fmt(row["predicted_mb"], ".1f"), _fmt(row["predicted_error"], "+.0%"),
              _fmt(row["step_ms"], ".1f"), _fmt(row["time_ratio"], ".2f"),
-             _fmt(row["max_rel_err"], ".1e"), _fmt(row["grad_build_s"], ".2f"),
+             _fmt(row["predicted_time_ratio"], ".2f"), _fmt(row["max_rel_err"], ".1e"), _fmt(row["grad_build_s"], ".2f"),
              _fmt(row["checkpoints"], "d")]
     if len(columns) > len(TABLE_COLUMNS):
         cells += [_fmt(row.get("fits_mb"), "d"), _fmt(row.get("fits_ratio"), ".2f")]

@@ -160,8 +160,8 @@ def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("strategy"))
-    for column in ("peak MiB", "x tf", "predicted MiB", "pred err", "step ms", "max rel err",
-                   "build s"):
+    for column in ("peak MiB", "x tf", "predicted MiB", "pred err", "step ms", "pred x",
+                   "max rel err", "build s"):
         assert column in header
     rows = _read_csv(csv_path)
     assert [row["strategy"] for row in rows] == ["tf.gradients", "memory"]
@@ -172,6 +172,7 @@ def test_compare_runs_two_strategies_end_to_end(tmp_path, capsys):
         assert float(row["predicted_mb"]) > 0
     assert float(rows[0]["peak_ratio"]) == 1.0
     assert float(rows[1]["max_rel_err"]) <= 1e-4
+    assert float(rows[1]["predicted_time_ratio"]) >= 1.0  # ('memory' recomputes)
     markdown = md_path.read_text(encoding="utf-8")
     assert "| strategy | peak MiB |" in markdown and "| memory |" in markdown
 
