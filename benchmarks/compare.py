@@ -745,8 +745,8 @@ def _cells(row, columns=TABLE_COLUMNS):
     cells = [row["strategy"], _fmt(row["peak_mb"], ".1f"), _fmt(row["peak_ratio"], ".2f"),
              _fmt(row["predicted_mb"], ".1f"), _fmt(row["predicted_error"], "+.0%"),
              _fmt(row["step_ms"], ".1f"), _fmt(row["time_ratio"], ".2f"),
-             _fmt(row["predicted_time_ratio"], ".2f"), _fmt(row["max_rel_err"], ".1e"), _fmt(row["grad_build_s"], ".2f"),
-             _fmt(row["checkpoints"], "d")]
+             _fmt(row["predicted_time_ratio"], ".2f"), _fmt(row["max_rel_err"], ".1e"),
+             _fmt(row["grad_build_s"], ".2f"), _fmt(row["checkpoints"], "d")]
     if len(columns) > len(TABLE_COLUMNS):
         cells += [_fmt(row.get("fits_mb"), "d"), _fmt(row.get("fits_ratio"), ".2f")]
     return cells
