@@ -95,6 +95,27 @@ def test_a_buffer_of_many_allocations_holds_no_oversized_chunk():
     assert allocator._requests(1000, 100) == [333, 333, 334]  # (3 of 256 B or more)
 
 
+def test_under_a_limit_a_loops_pieces_are_made_side_by_side():
+    """Step 0: a loop makes A (4 pieces of 1 MiB, kept) and B (4 pieces, freed when it
+    ends), an iteration's piece of each at a time; step 1 stacks A into C (4 MiB at
+    once). Made side by side, A's pieces lie among B's holes, and C fits in none: under a
+    limit (one region; what counts is the highest address) the step reaches 11 MiB, not
+    the 8 MiB of A and B one after the other. (A Keras LSTM's input gradient stacked
+    after its gradient loop: max_batch_size's answer ran out of memory in three runs of
+    four before.) A growing allocator is replayed one after the other either way."""
+    buffers = [(0, 2, 4 * MiB), (0, 0, 4 * MiB), (1, 1, 4 * MiB)]
+    starts, ends, sizes = ([b[i] for b in buffers] for i in range(3))
+
+    def replayed(alloc, pieces):
+        return allocator.replayed_peak(alloc, starts, ends, sizes, [False] * 3, 2, pieces)[0]
+    limit = allocator.Allocator("one region", 1 << 40, needs_extent=True)
+    assert replayed(limit, [4, 4, 1]) == 11 * MiB
+    assert replayed(limit, [1, 1, 1]) == 8 * MiB  # (one allocation each: in turn)
+    assert replayed(ONE_REGION, [4, 4, 1]) == 8 * MiB  # (bytes in use: the same)
+    assert allocator._side_by_side([0, 1, 2], [[1], [2, 2], [3, 3, 3, 3]]) == [
+        (0, 1), (2, 3), (1, 2), (2, 3), (2, 3), (1, 2), (2, 3)]
+
+
 @pytest.mark.measures
 def test_tensorflows_cpu_allocator_holds_what_the_replay_says():
     """The rules above are TensorFlow's: one 3 MiB tensor holds a 4 MiB chunk (measured

@@ -18,7 +18,8 @@ from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
 from memsave.planner import (buffer_links, call_gradients, constant_folding, costs,
                              custom_gradients, deferral, kernels, opinfo, shapes, xla_buffers)
-from memsave.planner.loops import list_length, loop_memory, recomputed, tensor_bytes
+from memsave.planner.loops import (gradient_reads_output, list_bytes, list_length,
+                                   loop_memory, recomputed, tensor_bytes)
 from memsave.planner.op_kinds import FORWARD, KEPT, REGION, RESIDENT
 
 logger = logging.getLogger(__name__)
@@ -86,8 +87,8 @@ class StepGraph:
         output in the forward pass, held to its gradient (buffer_links.link_folded_products).
       constants: ids of the ops whose outputs are constants when the step runs: Consts, and
         what Grappler folds into one (memsave.planner.constant_folding; kind RESIDENT).
-      pieces: tensor id -> how many allocations of equal size its bytes are, where more
-        than one: a TensorList's elements (memsave.planner.loops.list_length).
+      pieces, grad_pieces: tensor id -> how many allocations of equal size its bytes (its
+        gradient's) are, where more than one: a TensorList's elements (loops.list_length).
       boundaries: ids of the region tensors every plan keeps (segments end there), so
         that each op's gradient is taken once, with its whole gradient (memsave.backward):
         those that ops which are not recomputed read (floating, complex or variant: a
@@ -124,8 +125,7 @@ class StepGraph:
         self.tensors, self.size, self.producer, self.consumers, self.alias_of = [], [], [], [], []
         self.grad_reads, self.grad_inputs, self.grad_temporaries, self.cost = [], [], [], []
         self.is_x, self.is_y = [], []
-        self.tensor_id = {}
-        self.op_id = {}
+        self.tensor_id, self.op_id = {}, {}
         self.unknown_dims = []
         self.unknown_dim_size = 1
         self.kernels = kernels.gpu  # (sizes no workspace; build sets the step's)
@@ -133,24 +133,19 @@ class StepGraph:
         self.inter_op_threads = 1
         self.rewrite_grad_temporaries = {}
         self._temporary_pieces = {}
-        self.deferred = {}
-        self.deferred_tensors = set()
-        self.deferred_through = {}
+        self.deferred, self.deferred_tensors, self.deferred_through = {}, set(), {}
         self.conv_workspaces = {}
         self.workspaces = set()
         self.custom_gradient_ops = set()
-        self.held = {}
-        self.call_runs = {}
+        self.held, self.call_runs = {}, {}
         self.folded, self.constants = {}, frozenset()
-        self.pieces = {}
-        self.largest_bytes = 0
-        self.small_bytes = 0
+        self.pieces, self.grad_pieces = {}, {}
+        self.largest_bytes, self.small_bytes = 0, 0
         self.small = frozenset()
         self.boundaries = []
         self.loops = {}
         self.loop_mode = "auto"
-        self.forwarded = set()
-        self.gradient_into = {}
+        self.forwarded, self.gradient_into = set(), {}
         self.xla_cpu = False
         self.costs = costs.active()
 
@@ -341,7 +336,7 @@ class StepGraph:
             passes = set(probe.differentiated)
         else:
             passes = set(range(len(ins))) if opinfo.passes_gradient(op) else set()
-        differentiated = []
+        differentiated, lists = [], []
         for i, tid in enumerate(ins):
             t = self.tensors[tid]
             if i not in passes or not region.depends_on_xs(t) or tid in stops:
@@ -350,6 +345,10 @@ class StepGraph:
             if t.dtype == tf.resource or t.dtype.is_floating or t.dtype.is_complex:
                 self.grad_inputs[index].append((tid, self.size[tid]))
                 differentiated.append(i)
+            elif t.dtype == tf.variant:  # a TensorList's: its elements' gradients
+                self.grad_inputs[index].append((tid, list_bytes(t, self.unknown_dim_size)))
+                self.grad_pieces[tid] = list_length(t)
+                lists.append(i)
         if probe is None:
             reads_in, reads_out = (
                 opinfo.gradient_reads(None, len(op.inputs), len(op.outputs)) if custom
@@ -359,8 +358,9 @@ class StepGraph:
                 reads_in = tuple(reads_in) + opinfo.element_reads(op)
                 self.grad_reads[index] = [ins[i] for i in reads_in
                                           if is_data(self.tensors[ins[i]])]
-            self.grad_reads[index] += [outs[i] for i in reads_out]
-        if not differentiated:
+            self.grad_reads[index] += [outs[i] for i in reads_out
+                                       if gradient_reads_output(op, self.tensors[outs[i]])]
+        if not differentiated and not lists:
             stops.update(t for t in outs if not self.is_x[t])
         if probe is not None:
             self.grad_temporaries[index] = probe.temporaries

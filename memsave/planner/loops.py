@@ -229,12 +229,21 @@ def list_bytes(t, unknown_dim_size=1):
     return 0
 
 
+def gradient_reads_output(op, t):
+    """Whether the gradient of op `op` reads its output `t`, as far as loops go: a
+    while_v2 loop's reads none of the lists it wrote (an RNN's outputs; what it keeps of
+    its iterations is LoopMemory's)."""
+    return not (graph_loops.is_loop(op) and t.dtype == tf.variant)
+
+
 def _list_maker(t):
-    """The op that made TensorList `t`: through the loops it is an output of, the one
-    that made the loop's input."""
+    """The op that made TensorList `t`: through the loops it is an output of and the
+    identities that pass it on (a v1 while_loop's outputs), the one that made the loop's
+    input."""
     op = t.op
-    while graph_loops.is_loop(op) and t.value_index < len(op.inputs):
-        t = op.inputs[t.value_index]
+    while ((graph_loops.is_loop(op) and t.value_index < len(op.inputs))
+           or (op.type == "Identity" and op.inputs)):
+        t = op.inputs[t.value_index if op.type != "Identity" else 0]
         op = t.op
     return op
 

@@ -206,7 +206,8 @@ class _StepRun:
         for buffer in reads:
             timeline.use(buffer, step)
         self._note_call_run(op, step, buffers, incoming, held)
-        temporaries = graph.grad_temporaries[op] + self._loop_gradient(op, step, buffers)
+        in_loop = self._loop_gradient(op, step, buffers)
+        temporaries = graph.grad_temporaries[op] + in_loop
         later = ()
         if deferred is not None:  # a segment of the rewrite
             temporaries = graph.rewrite_grad_temporaries.get(op, temporaries)
@@ -218,8 +219,12 @@ class _StepRun:
                 converted = {buffers[tid] for tid, _ in through}
                 deferred.append((op, later, [b for b in reads if b not in converted] + incoming,
                                  temporaries_later))
+        # (A loop's gradient makes its temporaries iteration by iteration: as many
+        # tensors as it runs iterations.)
+        pieces = (graph.loops[op].iterations if in_loop
+                  else graph.temporary_pieces(op, temporaries))
         made = ([timeline.buffer(step, temporaries, "gradients", self.owners.of_op[op],
-                                 pieces=graph.temporary_pieces(op, temporaries))]
+                                 pieces=pieces)]
                 if temporaries else [])
         if beside:
             self.running.append([beside, reads + incoming + made])
@@ -265,14 +270,19 @@ class _StepRun:
         graph, timeline = self.graph, self.timeline
         timeline.use(self.loop_buffers[op], step)
         loop = graph.loops[op]
+        # (The gradient loop frees what it kept of each iteration as it writes that
+        # iteration's gradient into the lists the loop read: those take the place of
+        # the copy's carries, or of as much of TensorFlow's run-ahead.)
+        lists = sum(nbytes for tid, nbytes in graph.grad_inputs[op] if tid in graph.grad_pieces)
         if not (self.rewriting and op in self.setup.recomputed_loops):
-            return loop.gradient_run_ahead
+            return max(0, loop.gradient_run_ahead - lists)
         # The copy runs the loop again here, reading what the loop read (an
         # RNN's input sequence), and keeps each iteration's carry apart.
         for tid in graph.inputs[op]:
             timeline.use(buffers[tid], step)
         carries = loop.carries * loop.carried
-        timeline.buffer(step, carries, "gradients", self.owners.of_op[op], pieces=loop.carries)
+        timeline.buffer(step, carries - min(carries, lists), "gradients", self.owners.of_op[op],
+                        pieces=loop.carries)
         return loop.kept_by_copy + loop.copy_run_ahead - carries
 
     def _contribute(self, op, step, buffers, incoming, reads, held_beside, later):

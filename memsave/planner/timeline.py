@@ -222,7 +222,8 @@ class Gradients:
         timeline = self.timeline
         kind = "gradients of xs" if self.graph.is_x[tid] else "gradients"
         buffer = (shares if shares is not None
-                  else timeline.buffer(step, nbytes, kind, self.tensor_owners[tid]))
+                  else timeline.buffer(step, nbytes, kind, self.tensor_owners[tid],
+                                       pieces=self.graph.grad_pieces.get(tid, 1)))
         parts = self.parts.setdefault(tid, [])
         parts.append(buffer)
         if len(parts) >= self.expected.get(tid, 1):
