@@ -142,7 +142,7 @@ def test_an_lstm_stack_differentiated_through_recomputing_copies():
     """2 x Keras LSTM(256) over 64 steps: TensorFlow keeps every step's gates for the
     gradient (74.0-74.9 MiB, AMD EPYC without AVX-512, TensorFlow 2.16 and 2.21);
     memsave's recomputing copies keep each step's carry, one loop at a time (23.5-23.9
-    MiB, 23.4 predicted), predicted within 15%: each carry and each TensorList element
+    MiB, 25.6 predicted), predicted within 15%: each carry and each TensorList element
     is an allocation of its own, which BFC places in whatever hole fits (at 100 steps,
     as one 19 MiB buffer, the replay put the carries in a region of their own: 36.1 MiB
     predicted for 28.4-31.8), the copy reads the TensorList the loop read (the first
