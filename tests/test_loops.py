@@ -232,6 +232,22 @@ def test_under_a_limit_the_gradient_loop_is_counted_running_its_whole_parallel_i
     assert not environment.Environment(allocator=environment.CPU_GROWING).holds_a_limit
 
 
+def _rnn_writing_a_list(x_seq, w):
+    """A tanh RNN over `x_seq` read from a TensorArray, writing each h to another: the
+    TensorArray it wrote."""
+    inputs = tf.TensorArray(tf.float64, size=STEPS).unstack(x_seq)
+    outputs = tf.TensorArray(tf.float64, size=STEPS, element_shape=[BATCH, WIDTH])
+
+    def body(i, h, written):
+        h = tf.tanh(tf.matmul(inputs.read(i), w) + h)
+        return i + 1, h, written.write(i, h)
+
+    _, _, written = tf.while_loop(lambda i, h, written: i < STEPS, body,
+                                  [tf.constant(0), tf.zeros([BATCH, WIDTH], tf.float64),
+                                   outputs])
+    return written
+
+
 def test_the_model_counts_tensor_lists_as_their_elements():
     """A TensorList made from a tensor holds one buffer per element (the allocator
     replay places each apart: `pieces`); a reserved one holds nothing until the loop
@@ -239,19 +255,8 @@ def test_the_model_counts_tensor_lists_as_their_elements():
     keeps are one buffer per iteration too."""
     graph = tf.Graph()
     with graph.as_default():
-        x_seq = tf.constant(X_SEQ)
         w = tf.Variable(W0)
-        outputs = tf.TensorArray(tf.float64, size=STEPS, element_shape=[BATCH, WIDTH])
-        inputs = tf.TensorArray(tf.float64, size=STEPS).unstack(x_seq)
-
-        def body(i, h, written):
-            h = tf.tanh(tf.matmul(inputs.read(i), w) + h)
-            return i + 1, h, written.write(i, h)
-
-        _, _, written = tf.while_loop(lambda i, h, written: i < STEPS, body,
-                                      [tf.constant(0), tf.zeros([BATCH, WIDTH], tf.float64),
-                                       outputs])
-        loss = tf.reduce_sum(written.stack())
+        loss = tf.reduce_sum(_rnn_writing_a_list(tf.constant(X_SEQ), w).stack())
         call = normalise_call([loss], [w])
         step = planner.model_of(ForwardRegion.build(call.ys, call.xs)).graph
     block = BATCH * WIDTH * 8
@@ -284,16 +289,7 @@ def test_a_tensor_lists_gradient_is_counted_to_what_made_the_list():
         v = tf.Variable(RNG.standard_normal([WIDTH, WIDTH]))
         w = tf.Variable(W0)
         x_seq = tf.reshape(tf.matmul(tf.reshape(X_SEQ, [-1, WIDTH]), v), [STEPS, BATCH, WIDTH])
-        inputs = tf.TensorArray(tf.float64, size=STEPS).unstack(x_seq)
-        outputs = tf.TensorArray(tf.float64, size=STEPS, element_shape=[BATCH, WIDTH])
-
-        def body(i, h, written):
-            h = tf.tanh(tf.matmul(inputs.read(i), w) + h)
-            return i + 1, h, written.write(i, h)
-
-        _, _, written = tf.while_loop(lambda i, h, written: i < STEPS, body,
-                                      [tf.constant(0), tf.zeros([BATCH, WIDTH], tf.float64),
-                                       outputs])
+        written = _rnn_writing_a_list(x_seq, w)
         call = normalise_call([tf.reduce_sum(written.stack())], [w, v])
         step = planner.model_of(ForwardRegion.build(call.ys, call.xs)).graph
     block = BATCH * WIDTH * 8
