@@ -87,8 +87,9 @@ class StepGraph:
         output in the forward pass, held to its gradient (buffer_links.link_folded_products).
       constants: ids of the ops whose outputs are constants when the step runs: Consts, and
         what Grappler folds into one (memsave.planner.constant_folding; kind RESIDENT).
-      pieces, grad_pieces: tensor id -> how many allocations of equal size its bytes (its
-        gradient's) are, where more than one: a TensorList's elements (loops.list_length).
+      pieces: tensor id -> how many allocations of equal size its bytes are, where more
+        than one: a TensorList's elements (loops.list_length). grad_pieces: the same for
+        the gradient of every TensorList that gets one (1 where its length is unknown).
       boundaries: ids of the region tensors every plan keeps (segments end there), so
         that each op's gradient is taken once, with its whole gradient (memsave.backward):
         those that ops which are not recomputed read (floating, complex or variant: a
@@ -336,7 +337,7 @@ class StepGraph:
             passes = set(probe.differentiated)
         else:
             passes = set(range(len(ins))) if opinfo.passes_gradient(op) else set()
-        differentiated, lists = [], []
+        differentiated = []
         for i, tid in enumerate(ins):
             t = self.tensors[tid]
             if i not in passes or not region.depends_on_xs(t) or tid in stops:
@@ -348,7 +349,6 @@ class StepGraph:
             elif t.dtype == tf.variant:  # a TensorList's: its elements' gradients
                 self.grad_inputs[index].append((tid, list_bytes(t, self.unknown_dim_size)))
                 self.grad_pieces[tid] = list_length(t)
-                lists.append(i)
         if probe is None:
             reads_in, reads_out = (
                 opinfo.gradient_reads(None, len(op.inputs), len(op.outputs)) if custom
@@ -360,7 +360,7 @@ class StepGraph:
                                           if is_data(self.tensors[ins[i]])]
             self.grad_reads[index] += [outs[i] for i in reads_out
                                        if gradient_reads_output(op, self.tensors[outs[i]])]
-        if not differentiated and not lists:
+        if not self.grad_inputs[index]:
             stops.update(t for t in outs if not self.is_x[t])
         if probe is not None:
             self.grad_temporaries[index] = probe.temporaries

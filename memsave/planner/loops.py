@@ -242,8 +242,8 @@ def _list_maker(t):
     input."""
     op = t.op
     while ((graph_loops.is_loop(op) and t.value_index < len(op.inputs))
-           or (op.type == "Identity" and op.inputs)):
-        t = op.inputs[t.value_index if op.type != "Identity" else 0]
+           or op.type == "Identity"):
+        t = op.inputs[t.value_index]
         op = t.op
     return op
 

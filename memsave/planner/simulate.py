@@ -206,8 +206,8 @@ class _StepRun:
         for buffer in reads:
             timeline.use(buffer, step)
         self._note_call_run(op, step, buffers, incoming, held)
-        in_loop = self._loop_gradient(op, step, buffers)
-        temporaries = graph.grad_temporaries[op] + in_loop
+        loop_temporaries = self._loop_gradient(op, step, buffers)
+        temporaries = graph.grad_temporaries[op] + loop_temporaries
         later = ()
         if deferred is not None:  # a segment of the rewrite
             temporaries = graph.rewrite_grad_temporaries.get(op, temporaries)
@@ -221,7 +221,7 @@ class _StepRun:
                                  temporaries_later))
         # (A loop's gradient makes its temporaries iteration by iteration: as many
         # tensors as it runs iterations.)
-        pieces = (graph.loops[op].iterations if in_loop
+        pieces = (graph.loops[op].iterations if loop_temporaries
                   else graph.temporary_pieces(op, temporaries))
         made = ([timeline.buffer(step, temporaries, "gradients", self.owners.of_op[op],
                                  pieces=pieces)]
