@@ -9,6 +9,7 @@ gradients, so the caller can check the rewrite still computes the same thing.
 import numpy as np
 import tensorflow as tf
 
+import _models
 import memsave
 from memsave.measure import device_input, peak_memory_bytes, reserve_one_region
 
@@ -335,20 +336,7 @@ def keras_gpt(mode, blocks=2, batch=8, seq_len=128, d_model=64, heads=4, vocab=4
     MatMul and BiasAdd, whose kernel writes into the MatMul's buffer, then the sparse
     cross-entropy, whose kernel writes its backprop into the logits' buffer): the head's
     [batch, seq_len, vocab] logits are the step's largest tensors."""
-    import keras
-
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((seq_len,), dtype="int32")
-    x = keras.layers.Embedding(vocab, d_model)(tokens)
-    for _ in range(blocks):
-        normed = keras.layers.LayerNormalization()(x)
-        attended = keras.layers.MultiHeadAttention(heads, d_model // heads)(
-            normed, normed, use_causal_mask=True)
-        x = x + attended
-        hidden = keras.layers.Dense(4 * d_model, activation="gelu")(
-            keras.layers.LayerNormalization()(x))
-        x = x + keras.layers.Dense(d_model)(hidden)
-    net = keras.Model(tokens, keras.layers.Dense(vocab)(keras.layers.LayerNormalization()(x)))
+    net, words, targets = _models.keras_gpt(blocks, batch, seq_len, d_model, heads, vocab)
     weights = net.trainable_variables
 
     @tf.function
@@ -357,8 +345,7 @@ def keras_gpt(mode, blocks=2, batch=8, seq_len=128, d_model=64, heads=4, vocab=4
             targets, net(words)))
         return [tf.convert_to_tensor(g) for g in _gradient_fn(mode, [])(loss, weights)]
 
-    words = np.random.RandomState(0).randint(0, vocab, [batch, seq_len]).astype(np.int32)
-    return _measure(step, device_input(words), device_input(np.roll(words, -1, axis=1)))
+    return _measure(step, device_input(words), device_input(targets))
 
 
 def scaled_attention(mode, layers=6, batch=8, heads=4, seq_len=128, d_model=64):

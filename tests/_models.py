@@ -43,6 +43,27 @@ def language_model_head(vocab=512, blocks=4):
     return tf.reduce_sum(losses), xs, outs, logits
 
 
+
+def keras_gpt(blocks=2, batch=8, seq_len=128, d_model=64, heads=4, vocab=4000):
+    """A small GPT from Keras layers (an `Embedding`, causal `MultiHeadAttention` blocks
+    with a GELU MLP, a vocabulary head), and a batch of tokens and their next tokens for
+    it (int32 arrays): (model, words, targets)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((seq_len,), dtype="int32")
+    x = keras.layers.Embedding(vocab, d_model)(tokens)
+    for _ in range(blocks):
+        normed = keras.layers.LayerNormalization()(x)
+        x = x + keras.layers.MultiHeadAttention(heads, d_model // heads)(
+            normed, normed, use_causal_mask=True)
+        hidden = keras.layers.Dense(4 * d_model, activation="gelu")(
+            keras.layers.LayerNormalization()(x))
+        x = x + keras.layers.Dense(d_model)(hidden)
+    net = keras.Model(tokens, keras.layers.Dense(vocab)(keras.layers.LayerNormalization()(x)))
+    words = np.random.RandomState(0).randint(0, vocab, [batch, seq_len]).astype(np.int32)
+    return net, words, np.roll(words, -1, axis=1)
+
 _VARIABLES = {}
 
 

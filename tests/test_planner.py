@@ -1123,33 +1123,14 @@ def test_a_time_budget_counts_the_last_segment_as_read():
     assert timed.predicted_peak_bytes <= lowest.predicted_peak_bytes * 1.02
 
 
-def _keras_gpt(blocks=2, batch=2, seq_len=128, d_model=64, heads=4, vocab=2000):
-    """A small GPT from Keras layers (causal attention, a GELU MLP, a vocabulary head)
-    and a batch of tokens and targets for it."""
-    import keras
-
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((seq_len,), dtype="int32")
-    x = keras.layers.Embedding(vocab, d_model)(tokens)
-    for _ in range(blocks):
-        normed = keras.layers.LayerNormalization()(x)
-        x = x + keras.layers.MultiHeadAttention(heads, d_model // heads)(
-            normed, normed, use_causal_mask=True)
-        hidden = keras.layers.Dense(4 * d_model, activation="gelu")(
-            keras.layers.LayerNormalization()(x))
-        x = x + keras.layers.Dense(d_model)(hidden)
-    net = keras.Model(tokens, keras.layers.Dense(vocab)(keras.layers.LayerNormalization()(x)))
-    words = np.random.RandomState(0).randint(0, vocab, [batch, seq_len]).astype(np.int32)
-    return net, tf.constant(words), tf.constant(np.roll(words, -1, axis=1))
-
-
 def test_a_time_budget_peaks_no_higher_than_a_byte_budget_of_the_same_predicted_time():
     """The two corners of the trade agree: budget(time=T), T a byte budget's predicted
     step time, finds a peak as low as that budget's, within the bisection's precision.
     (With three bisections between 'memory''s peak, taken as a floor, and the best cut
     plan's, a Keras GPT's time budgets peaked 1-6% above the byte budgets', keras-hub
     GPT-2's 5%: 309.6 MiB at 1.0749x, where budget(0.5) planned 293.6.)"""
-    net, words, targets = _keras_gpt()
+    net, words, targets = _models.keras_gpt(batch=2, vocab=2000)
+    words, targets = tf.constant(words), tf.constant(targets)
     pairs = []
 
     @tf.function
