@@ -93,7 +93,8 @@ PREDICT_MEMORY_STEPS = 8
 TABLE_COLUMNS = ("strategy", "peak MiB", "x tf", "predicted MiB", "pred err", "step ms", "x tf",
                  "pred x", "max rel err", "build s", "ckpts")
 CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_ratio",
-              "predicted_mb", "predicted_error", "recompute_fraction",
+              "predicted_mb", "predicted_error", "predicted_range_mb", "range_error",
+              "recompute_fraction",
               "resting_mb", "step_ms", "time_ratio", "predicted_time_ratio", "paired_base_step_ms",
               "time_ratio_separate", "max_rel_err", "grad_build_s", "trace_s", "first_call_s",
               "checkpoints", "copied_ops", "graph_ops", "xla_buffer_mb", "fits_mb", "fits_ratio",
@@ -156,7 +157,9 @@ def _strategy_gradient_fn(strategy, model, offload=False):
     def grad_fn(ys, xs):
         if strategy == BASELINE:
             # The memory model's prediction for plain tf.gradients (adds no ops; untimed).
-            timings["predicted_peak_bytes"] = memsave.plan(ys, xs, []).baseline_peak_bytes
+            report = memsave.plan(ys, xs, [])
+            timings["predicted_peak_bytes"] = report.baseline_peak_bytes
+            timings["predicted_peak_range"] = report.baseline_peak_range
         start = time.perf_counter()
         result = compute(ys, xs)
         timings["grad_build_s"] += time.perf_counter() - start
@@ -278,7 +281,7 @@ def _report_summary(strategy):
     summary["offloaded"] = len(set(getattr(report, "offloaded", ())))
     for field in ("copied_ops", "kept_bytes", "recomputed_bytes", "fallback",
                   "predicted_peak_bytes", "baseline_peak_bytes", "recompute_fraction",
-                  "offload_moved_bytes", "calibrated_peak_bytes"):
+                  "offload_moved_bytes", "calibrated_peak_bytes", "predicted_peak_range"):
         value = getattr(report, field, None)
         if value is not None:
             summary[field] = value
@@ -419,8 +422,9 @@ def _measure(model_name, depth, batch, strategy, steps, warmup, seed, grads_path
     out["grad_build_s"] = timings["grad_build_s"]
     out["graph_ops"] = len(concrete.graph.get_operations())
     out.update(_report_summary(strategy))
-    if "predicted_peak_bytes" in timings:
-        out["predicted_peak_bytes"] = timings["predicted_peak_bytes"]
+    for field in ("predicted_peak_bytes", "predicted_peak_range"):
+        if timings.get(field) is not None:
+            out[field] = timings[field]
 
     start = time.perf_counter()
     loss, grads = step(*inputs)
@@ -661,6 +665,14 @@ def _offload_note(result):
             f"{result['offload_moved_bytes'] / 2**20:.1f} MiB moved per step (out and back)")
 
 
+def _range_error(measured, least, most):
+    """How far a predicted range misses the measured peak: 0 within it, else the nearer
+    end's error (positive: predicted above it)."""
+    if measured < least:
+        return least / measured - 1
+    return most / measured - 1 if measured > most else 0.0
+
+
 def _rows(results, strategies, paths, offload_requested=False):
     base = results.get(BASELINE, {})
     base_ok = base.get("status") == "ok"
@@ -681,6 +693,10 @@ def _rows(results, strategies, paths, offload_requested=False):
             row["peak_mb"] = result["peak_bytes"] / 2**20
             if row["predicted_mb"]:
                 row["predicted_error"] = row["predicted_mb"] / row["peak_mb"] - 1
+            if result.get("predicted_peak_range") and not result.get("calibrated_peak_bytes"):
+                least, most = (end / 2**20 for end in result["predicted_peak_range"])
+                row["predicted_range_mb"] = f"{least:.1f}-{most:.1f}"
+                row["range_error"] = _range_error(row["peak_mb"], least, most)
             row["resting_mb"] = result["resting_bytes"] / 2**20
             row["step_ms"] = result["step_s"] * 1e3
             if result.get("paired_ratio") is not None:
@@ -864,7 +880,8 @@ PREDICT_FAMILIES = (
      {"image_size": 128, "d_model": 256, "heads": 8}),
     ("Keras U-Net 128 px", "unet", None, None, {}),
 )
-PREDICT_COLUMNS = ("model", "strategy", "measured MiB", "predicted MiB", "error")
+PREDICT_COLUMNS = ("model", "strategy", "measured MiB", "predicted MiB", "error",
+                   "range MiB", "range error")
 
 
 def predict_table(families=PREDICT_FAMILIES, strategies=(BASELINE, "memory"), steps=1,
@@ -899,11 +916,12 @@ def format_predict_table(rows, markdown=False):
     """The predictions as text (or Markdown): measured and predicted peak and their error."""
     cells = [[row["family"], row["strategy"]] + (
         [_fmt(row["peak_mb"], ".1f"), _fmt(row["predicted_mb"], ".1f"),
-         _fmt(row["predicted_error"], "+.0%")] if row["status"] == "ok"
-        else [row["status"] or "failed", "-", "-"]) for row in rows]
+         _fmt(row["predicted_error"], "+.0%"), row.get("predicted_range_mb") or "-",
+         _fmt(row.get("range_error"), "+.0%")] if row["status"] == "ok"
+        else [row["status"] or "failed", "-", "-", "-", "-"]) for row in rows]
     if markdown:
         lines = ["| " + " | ".join(PREDICT_COLUMNS) + " |",
-                 "|---|---|---:|---:|---:|"]
+                 "|---|---|---:|---:|---:|---:|---:|"]
         return "\n".join(lines + ["| " + " | ".join(line) + " |" for line in cells]) + "\n"
     table = [list(PREDICT_COLUMNS)] + cells
     widths = [max(len(line[i]) for line in table) for i in range(len(PREDICT_COLUMNS))]

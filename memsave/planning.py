@@ -87,6 +87,9 @@ class Plan:
       beside: what the step holds beside the gradients (memsave.beside.Beside), or None.
       baseline_curve, curve: tf.gradients' and the plan's live memory over the step
         (memsave.planner.curves.Curve; the plan's None without checkpoints).
+      baseline_range, prediction_range: (least, most) of tf.gradients' and the plan's
+        peak as far as TensorFlow runs its gradient loops ahead
+        (MemoryModel.peak_range), or None.
     """
     strategy: str
     region: ForwardRegion
@@ -116,6 +119,8 @@ class Plan:
     beside: Optional[Beside] = None
     baseline_curve: Optional[Curve] = None
     curve: Optional[Curve] = None
+    baseline_range: Optional[Tuple[int, int]] = None
+    prediction_range: Optional[Tuple[int, int]] = None
 
     @property
     def checkpoint_tensors(self):
@@ -175,6 +180,8 @@ class Plan:
                 prediction.device_peak_bytes))
         report.baseline_curve = self.baseline_curve
         report.memory_curve = self.baseline_curve if runs_plain else self.curve
+        report.baseline_peak_range = self.baseline_range
+        report.predicted_peak_range = self.baseline_range if runs_plain else self.prediction_range
         if runs_plain:
             report.predicted_peak_bytes = baseline.device_peak_bytes
             report.predicted_live_bytes = baseline.peak_bytes
@@ -221,7 +228,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
                   step_graph=model.graph, unknown_dim_source=problem.unknown_dim_source,
                   beside=problem.beside,
                   dropped=tuple(dropped),
-                  baseline=model.baseline(allocator=True), calibrated=selection.calibrated)
+                  baseline=model.baseline(allocator=True), calibrated=selection.calibrated,
+                  baseline_range=model.peak_range())
     if not kept:
         return Plan(checkpoints=(), fallback=selection.plain or _no_checkpoints_message(
             strategy_name, region), warn=explicit and selection.plain is None,
@@ -246,6 +254,9 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         reads_checkpoints=prediction.reads_checkpoints,
         recomputes_ahead=prediction.recomputes_ahead,
         reads_last_segment=prediction.reads_last_segment,
+        prediction_range=model.peak_range(
+            ids, offloaded_ids, problem.offload.prefetch if offloaded_ids else 1,
+            problem.offload.flops_per_byte if offloaded_ids else None, **prediction.flags()),
         # Not under XLA (which drops control inputs), nor where TensorFlow's own CPU
         # convolution gradients run pairwise one after the other: their control inputs
         # point from a filter gradient to the input gradient made before it, and a chain

@@ -107,7 +107,12 @@ class RewriteReport:
     temporaries in both peaks), `beside_source` what they are (under Keras `fit`, the
     optimizer's state: memsave.beside). `memory_curve` and `baseline_curve` are the plan's
     and tf.gradients' live bytes over the step (memsave.planner.curves.Curve), drawn by
-    `picture()` (text) and `save_picture(path)` (PNG).
+    `picture()` (text) and `save_picture(path)` (PNG). Where TensorFlow differentiates
+    a while loop itself (an RNN's), how far its executor runs the gradient loop ahead
+    varies from process to process, and with it the peak: `predicted_peak_range` and
+    `baseline_peak_range` are (least, most), the peaks with none and with all of the
+    loop's parallel iterations ahead (the predicted peaks count half; max_batch_size,
+    which must fit a limit, counts all), None where no such loop moves the peak.
     """
     strategy: str
     region_ops: int
@@ -146,6 +151,8 @@ class RewriteReport:
     unknown_dim_size_measured: bool = False
     beside_bytes: int = 0
     beside_source: Optional[str] = None
+    predicted_peak_range: Optional[Tuple[int, int]] = None
+    baseline_peak_range: Optional[Tuple[int, int]] = None
     memory_curve: Optional[object] = dataclasses.field(default=None, repr=False)
     baseline_curve: Optional[object] = dataclasses.field(default=None, repr=False)
 
@@ -236,11 +243,16 @@ class RewriteReport:
     def _peaks(self):
         if self.predicted_peak_bytes is None:
             return ""
-        text = (f"; predicted peak {_mb(self.predicted_peak_bytes)} vs tf.gradients' "
-                f"{_mb(self.baseline_peak_bytes)}")
+        text = (f"; predicted peak {_mb(self.predicted_peak_bytes)}"
+                f"{_span(self.predicted_peak_range)}"
+                f" vs tf.gradients' {_mb(self.baseline_peak_bytes)}"
+                f"{_span(self.baseline_peak_range)}")
         if self.baseline_peak_bytes:
             text += f" ({self.predicted_peak_bytes / self.baseline_peak_bytes:.2f}x)"
         text += f", at {self.peak_at}"
+        if self.predicted_peak_range or self.baseline_peak_range:
+            text += ("; a range is as far as TensorFlow runs its gradient loops ahead, "
+                     "which varies from process to process")
         if self.memory_calibration is not None:
             text += (f"; calibrated: {_mb(self.calibrated_peak_bytes)} vs tf.gradients' measured "
                      f"{_mb(self.measured_baseline_peak_bytes)} ({self.memory_calibration})")
@@ -311,6 +323,13 @@ def loop_line(memory, why):
     return (f"{RECOMPUTED_LOOP} in the backward pass ({count}): its copy holds "
             f"{_mb(memory.kept_by_copy)} where TensorFlow's gradient keeps "
             f"{_mb(memory.kept_by_tensorflow)} from the forward pass")
+
+
+def _span(peak_range):
+    """' (least-most MiB)' of a peak range, '' for None."""
+    if peak_range is None:
+        return ""
+    return f" ({peak_range[0] / 2**20:.1f}-{peak_range[1] / 2**20:.1f} MiB)"
 
 
 def _mb(n):

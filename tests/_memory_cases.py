@@ -24,7 +24,9 @@ def _gradient_fn(mode, marks):
     prediction of the step's peak in _PREDICTED."""
     def gradients(ys, xs):
         if mode.startswith("tf"):
-            _PREDICTED["bytes"] = memsave.plan(ys, xs, []).baseline_peak_bytes
+            report = memsave.plan(ys, xs, [])
+            _PREDICTED["bytes"] = report.baseline_peak_bytes
+            _PREDICTED["range"] = report.baseline_peak_range
             _, decide, strategy = mode.partition("+decide:")
             if decide:
                 _PREDICTED["decided"] = not memsave.plan(ys, xs, strategy).fallback
@@ -37,6 +39,7 @@ def _gradient_fn(mode, marks):
             checkpoints = mode
         result = memsave.gradients(ys, xs, checkpoints=checkpoints)
         _PREDICTED["bytes"] = memsave.last_report().predicted_peak_bytes
+        _PREDICTED["range"] = memsave.last_report().predicted_peak_range
         _PREDICTED["rewritten"] = not memsave.last_report().fallback
         _PREDICTED["checkpoints"] = len(memsave.last_report().checkpoints)
         return result
@@ -67,7 +70,9 @@ def _peak_over_calls(run):
 def _measure(step, *args):
     step(*args)  # trace and warm up outside the measured calls
     peak, grads = _peak_over_calls(lambda: [g.numpy() for g in step(*args)])
+    peak_range = _PREDICTED.get("range")
     return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
+            "predicted_range_mb": peak_range and [end / 2**20 for end in peak_range],
             "rewritten": _PREDICTED.get("rewritten", False),
             "decided": _PREDICTED.get("decided"),
             "checkpoints": _PREDICTED.get("checkpoints", 0),
@@ -167,7 +172,9 @@ def chain_v1(mode, n=100):
         with tf.compat.v1.Session() as session:
             session.run(grads, feed)
             peak, values = _peak_over_calls(lambda: session.run(grads, feed))
+    peak_range = _PREDICTED.get("range")
     return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
+            "predicted_range_mb": peak_range and [end / 2**20 for end in peak_range],
             "checksum": float(sum(np.sum(g, dtype=np.float64) for g in values))}
 
 

@@ -212,15 +212,7 @@ def test_under_a_limit_the_gradient_loop_is_counted_running_its_whole_parallel_i
     (memsave.capacity, Environment.holds_a_limit)."""
     graph = tf.Graph()
     with graph.as_default():
-        x_seq = tf.constant(RNG.uniform(-1, 1, [STEPS, 1, 64]))
-        w = tf.Variable(RNG.standard_normal([64, 64]) / 8)
-
-        def body(i, h):
-            return i + 1, tf.tanh(tf.matmul(x_seq[i], w) + h)
-        _, h = tf.while_loop(lambda i, h: i < STEPS, body,
-                             [tf.constant(0), tf.zeros([1, 64], tf.float64)],
-                             maximum_iterations=STEPS)
-        loop, = [op for op in graph.get_operations() if loops.is_loop(op)]
+        _, _, loop = _weight_reading_loop()
         middle, top = loop_memory(loop), loop_memory(loop, whole_run_ahead=True)
     product = 64 * 64 * 8  # (the weight's gradient, per iteration)
     parallel = min(loop.get_attr("parallel_iterations"), STEPS)
@@ -230,6 +222,51 @@ def test_under_a_limit_the_gradient_loop_is_counted_running_its_whole_parallel_i
             >= (parallel - parallel // 2) * product > 0), (middle, top)
     assert environment.Environment(allocator=environment.ONE_REGION).holds_a_limit
     assert not environment.Environment(allocator=environment.CPU_GROWING).holds_a_limit
+    # The range the report gives runs from none of the iterations ahead to all of them.
+    least, most = middle.gradient_run_ahead_span
+    assert least < middle.gradient_run_ahead < most == top.gradient_run_ahead, middle
+    assert (middle.run_ahead(), middle.run_ahead(0), middle.run_ahead(1)) == (
+        middle.gradient_run_ahead, least, most)
+
+
+def _weight_reading_loop():
+    """(loss, the weight, the loop op) of a loop whose every iteration reads a 64 x 64
+    float64 weight: its gradient loop makes a weight-sized product per iteration."""
+    x_seq = tf.constant(RNG.uniform(-1, 1, [STEPS, 1, 64]))
+    w = tf.Variable(RNG.standard_normal([64, 64]) / 8)
+
+    def body(i, h):
+        return i + 1, tf.tanh(tf.matmul(x_seq[i], w) + h)
+    _, h = tf.while_loop(lambda i, h: i < STEPS, body,
+                         [tf.constant(0), tf.zeros([1, 64], tf.float64)],
+                         maximum_iterations=STEPS)
+    loop, = [op for op in tf.compat.v1.get_default_graph().get_operations()
+             if loops.is_loop(op)]
+    return tf.reduce_sum(h * h), w, loop
+
+
+@pytest.mark.parametrize("loop_mode", ["never", "always"])
+def test_the_report_gives_the_peak_as_a_range_where_tensorflow_runs_a_gradient_loop(loop_mode):
+    """How far the executor runs a gradient loop ahead varies from process to process
+    (plain Keras' LSTM stack: 87-90 or 131-136 MiB), so the report gives tf.gradients'
+    peak, and a plan's where TensorFlow differentiates a loop of it, as (least, most)
+    around the counted prediction; a plan whose copies differentiate every loop has no
+    range, and neither has a step without loops."""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, w, _ = _weight_reading_loop()
+        with memsave.recompute_loops(loop_mode):
+            report = memsave.plan(loss, [w], "memory")
+        least, most = report.baseline_peak_range
+        assert least < report.baseline_peak_bytes < most, report
+        if loop_mode == "always":
+            assert report.predicted_peak_range is None, report
+        else:
+            least, most = report.predicted_peak_range
+            assert least < report.predicted_peak_bytes < most, report
+        assert "a range is as far as TensorFlow runs its gradient loops ahead" in report.summary()
+        plain = memsave.plan(tf.reduce_sum(tf.tanh(tf.matmul(w, w))), [w], "memory")
+    assert plain.baseline_peak_range is None and plain.predicted_peak_range is None
 
 
 def _rnn_writing_a_list(x_seq, w):

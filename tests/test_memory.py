@@ -147,10 +147,12 @@ def test_an_lstm_stack_differentiated_through_recomputing_copies():
     as one 19 MiB buffer, the replay put the carries in a region of their own: 36.1 MiB
     predicted for 28.4-31.8), the copy reads the TensorList the loop read (the first
     LSTM's sequence, 4 MiB, kept to the second's gradient), and a reserved TensorList
-    holds nothing until the loop writes it. tf.gradients' own peak is not asserted: the
-    executor runs the gradient loop up to 32 iterations ahead in some steps, not in
-    others (at 100 steps, 110-113 MiB against 137-151). (100 steps took 7 s more of
-    the suite's time and said the same.)"""
+    holds nothing until the loop writes it. tf.gradients' own peak depends on how far
+    the executor runs the gradient loop ahead, up to 32 iterations in some processes,
+    none in others (at 100 steps, 110-113 MiB against 137-151): it lies within 15% of
+    the range the model gives, from none to all of them (the report's
+    baseline_peak_range). (100 steps took 7 s more of the suite's time and said the
+    same.) memsave's copies run their loops' gradients, so its plan has no range."""
     baseline = measure("lstm_stack", mode="tf", **LSTM_STACK)
     got = measure("lstm_stack", mode="memory", **LSTM_STACK)
     ratio = got["peak_mb"] / baseline["peak_mb"]
@@ -158,6 +160,11 @@ def test_an_lstm_stack_differentiated_through_recomputing_copies():
     assert got["checksum"] == pytest.approx(baseline["checksum"], rel=1e-5)
     error = got["predicted_mb"] / got["peak_mb"] - 1
     assert -0.15 <= error <= 0.15, (got, error)
+    assert got["predicted_range_mb"] is None, got
+    least, most = baseline["predicted_range_mb"]
+    assert least < baseline["predicted_mb"] < most, baseline
+    assert (least * (1 - PREDICTION_TOLERANCE) <= baseline["peak_mb"]
+            <= most * (1 + PREDICTION_TOLERANCE)), baseline
 
 
 @pytest.mark.parametrize("mode", ["tf", "memory"])

@@ -44,6 +44,8 @@ class LoopMemory:  # (see `recomputed` for the decision)
         keep by then (it pops one iteration's per iteration). copy_run_ahead: the same
         for the copy's gradient (at most memsave.graph.loops.PARALLEL_ITERATIONS
         iterations at once). Both count the running sums of those gradients too.
+      gradient_run_ahead_span: (least, most) of gradient_run_ahead: none of the
+        parallel iterations run ahead, or all of them (`run_ahead`).
       carried, carries: the bytes of one iteration's inputs the copy keeps (its carry),
         and how many of them it holds at once (`carries_kept`; in `kept_by_copy`).
     """
@@ -57,6 +59,18 @@ class LoopMemory:  # (see `recomputed` for the decision)
     chunk: int = 1
     carried: int = 0
     carries: int = 0
+    gradient_run_ahead_span: tuple = (0, 0)
+
+    def run_ahead(self, end=None):
+        """gradient_run_ahead as counted (`end` None), or its least (0) or most (1): how
+        far ahead TensorFlow's executor runs a gradient loop varies from process to
+        process, so one step may peak at either end (RUN_AHEAD_ENDS)."""
+        return self.gradient_run_ahead if end is None else self.gradient_run_ahead_span[end]
+
+
+# The ends of the range over which a gradient loop's run-ahead moves a step's peak
+# (LoopMemory.run_ahead, MemoryModel's run_ahead_end).
+RUN_AHEAD_ENDS = (0, 1)
 
 
 # A chunked copy's gradient sums the gradients of what the body reads from outside the
@@ -157,12 +171,15 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
     # whole is: on the Intel Xeon with AVX-512, plain Keras' stack at batch 45 held 87-90
     # MiB in three runs of six and 131-136 in the others, each LSTM kernel's gradient
     # 32 times over, and max_batch_size's answer from half ran out of memory.)
-    if not whole_run_ahead:
-        parallel = max(1, parallel // 2)
+    def run_ahead(iterations_ahead):
+        return products + max(0, iterations_ahead * (products - per_iteration))
+
+    counted = parallel if whole_run_ahead else max(1, parallel // 2)
     return LoopMemory(iterations=count, known=iterations is not None,
                       kept_by_tensorflow=count * per_iteration, kept_by_copy=kept_by_copy,
                       why_kept=why,
-                      gradient_run_ahead=products + max(0, parallel * (products - per_iteration)),
+                      gradient_run_ahead=run_ahead(counted),
+                      gradient_run_ahead_span=(run_ahead(0), run_ahead(parallel)),
                       copy_run_ahead=(products + max(0, copy_parallel * (products - carried))
                                       + (_CHUNK_SUMS * products if chunk > 1 else 0)),
                       chunk=chunk, carried=carried, carries=carries)

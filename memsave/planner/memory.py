@@ -28,6 +28,7 @@ from typing import Optional
 
 from memsave.planner import allocator as allocator_lib
 from memsave.planner import costs, curves, intervals, simulate_plan
+from memsave.planner import loops as loops_lib
 from memsave.planner.forward_pass import run_forward, unforwardable_outputs
 from memsave.planner.graph import KEPT, REGION
 from memsave.planner.segments import Segmentation
@@ -127,13 +128,15 @@ class Prediction:
 class MemoryModel:
     """Predicts the peak of the plain and the rewritten step of one StepGraph."""
 
-    def __init__(self, graph, allocator=None, beside=None):
+    def __init__(self, graph, allocator=None, beside=None, run_ahead_end=None):
         """Args:
           graph: the StepGraph.
           allocator: a memsave.planner.allocator.Allocator to replay predictions
             through on request (None: live tensors only).
           beside: a memsave.beside.Beside, what the training step holds beside the
             gradients (an optimizer's slots, its update), or None.
+          run_ahead_end: how far ahead TensorFlow runs the gradient loops it
+            differentiates (memsave.planner.loops.LoopMemory.run_ahead; None: as counted).
         """
         self.graph = graph
         self.allocator = allocator
@@ -152,7 +155,8 @@ class MemoryModel:
         # a kernel would write into (unforwardable_outputs): simulated once per such set.
         self._forward_passes = {}  # frozenset of unforwardable outputs -> ForwardPass
         self._setup = StepSetup(graph, expected, beside, frozenset(graph.recomputed_loops()),
-                                self.path_ops, Owners(graph))
+                                self.path_ops, Owners(graph), run_ahead_end)
+        self._at_ends = None  # (the models of peak_range, made when first asked)
 
     # -- public -------------------------------------------------------------------
     def baseline(self, allocator=False):
@@ -197,6 +201,27 @@ class MemoryModel:
         return self._cached(key, allocator, lambda replay: self._simulate(
             key, self._segmentation(key), frozenset(key[1]), prefetch, flops_per_byte,
             replay=replay, ahead=bool(recompute_ahead)))
+
+    def peak_range(self, checkpoints=None, offloaded=(), prefetch=1, flops_per_byte=None,
+                   **flags):
+        """(least, most): the device peaks of tf.gradients' step (`checkpoints` None) or
+        of a plan (arguments as predict's) with the gradient loops TensorFlow
+        differentiates running none of their parallel iterations ahead, and all of them
+        (LoopMemory.run_ahead). How far the executor runs ahead varies from process to
+        process: plain Keras' LSTM stack peaked at 87-90 MiB in three processes of six
+        and at 131-136 in the others (Intel Xeon). None where no such loop's run-ahead
+        moves (the step has none, or the plan recomputes them all)."""
+        recomputed = () if checkpoints is None else self._setup.recomputed_loops
+        if not any(memory.gradient_run_ahead_span[0] != memory.gradient_run_ahead_span[1]
+                   for op, memory in self.graph.loops.items() if op not in recomputed):
+            return None
+        if self._at_ends is None:
+            self._at_ends = [MemoryModel(self.graph, self.allocator, self.beside, end)
+                             for end in loops_lib.RUN_AHEAD_ENDS]
+        if checkpoints is None:
+            return tuple(m.baseline(allocator=True).device_peak_bytes for m in self._at_ends)
+        return tuple(m.predict(checkpoints, offloaded, prefetch, flops_per_byte, allocator=True,
+                               **flags).device_peak_bytes for m in self._at_ends)
 
     def cost_of(self, checkpoints, offloaded=(), flops_per_byte=None, read_checkpoints=False,
                 read_last_segment=False):

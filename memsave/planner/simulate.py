@@ -49,6 +49,8 @@ class StepSetup:
         differentiates (StepGraph.recomputed_loops).
       path_ops: the ops whose gradients tf.gradients makes (REGION and KEPT ops).
       owners: the step's memsave.planner.timeline.Owners (whose each buffer is).
+      run_ahead_end: how far ahead TensorFlow runs the gradient loops it differentiates
+        (memsave.planner.loops.LoopMemory.run_ahead's `end`; None: as counted).
     """
     graph: object
     expected: dict
@@ -56,6 +58,7 @@ class StepSetup:
     recomputed_loops: frozenset
     path_ops: list
     owners: object
+    run_ahead_end: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -275,7 +278,7 @@ class _StepRun:
         # the copy's carries, or of as much of TensorFlow's run-ahead.)
         lists = sum(nbytes for tid, nbytes in graph.grad_inputs[op] if tid in graph.grad_pieces)
         if not (self.rewriting and op in self.setup.recomputed_loops):
-            return max(0, loop.gradient_run_ahead - lists)
+            return max(0, loop.run_ahead(self.setup.run_ahead_end) - lists)
         # The copy runs the loop again here, reading what the loop read (an
         # RNN's input sequence), and keeps each iteration's carry apart.
         for tid in graph.inputs[op]:
