@@ -1,7 +1,9 @@
 """A budget's local search: from the best of some plans, one checkpoint added, dropped or
 moved at a time while that recomputes less within the limit (memsave.planner.search runs
 it on regions of up to LOCAL_SEARCH_LIMIT candidates, where the greedy cuts alone
-recomputed up to twice what the least costly fitting plan does).
+recomputed up to twice what the least costly fitting plan does). Standing on a plan that
+fits, a round simulates its neighbours cheapest first until one fits
+(`_cheapest_fitting`), not all of them.
 """
 
 LOCAL_SEARCH_ROUNDS = 16
@@ -60,6 +62,8 @@ def improved(search, plans, limit_bytes):
                         yield list(candidate)
 
     def best_of(plans, bound=None):  # (plans costing more than a fitting bound: not simulated)
+        if bound is not None and bound[0] == 0 and search.offloadable is None:
+            return _cheapest_fitting(search, plans, bound, limit_bytes)
         return min((scored(p, bound) + (p,) for p in plans if p), key=lambda f: f[0],
                    default=None)
 
@@ -77,3 +81,25 @@ def improved(search, plans, limit_bytes):
             break
         score, fitted, plan = best
     return fitted
+
+
+def _cheapest_fitting(search, plans, bound, limit_bytes):
+    """The best of `plans` as `improved` scores them, where the plan they are
+    neighbours of fits (its score `bound`): only a fitting plan that costs no more can
+    be better, and among those the least costly is (then the lowest peak). So they are
+    ranked by cost (MemoryModel.cost_of: no simulation) and simulated cheapest first
+    until one fits, with the others of its cost: the same answer as simulating every
+    one (keras-hub GPT-2's budget(0.5): about a third of a round's simulations).
+    Returns (score, fitted, plan), or None where none of them is better."""
+    # (a stable sort: among equals the first made wins, as `min` lets it)
+    costed = sorted(((cost, plan) for cost, plan in ((search.cost(p), p) for p in plans if p)
+                     if cost <= bound[1]), key=lambda c: c[0])
+    best = None
+    for cost, plan in costed:
+        if best is not None and cost > best[0][1]:
+            break
+        fitted = search.fit(plan, limit_bytes, allocator=False)
+        if fitted is not None:
+            found = ((0, fitted[0].cost_flops, fitted[0].peak_bytes), fitted, plan)
+            best = found if best is None or found[0] < best[0] else best
+    return best
