@@ -93,7 +93,7 @@ PREDICT_MEMORY_STEPS = 8
 TABLE_COLUMNS = ("strategy", "peak MiB", "x tf", "predicted MiB", "pred err", "step ms", "x tf",
                  "pred x", "max rel err", "build s", "ckpts")
 CSV_FIELDS = ("model", "depth", "batch", "strategy", "status", "peak_mb", "peak_ratio",
-              "predicted_mb", "predicted_error", "predicted_range_mb", "range_error",
+              "predicted_mb", "predicted_error", "predicted_range", "range_error",
               "recompute_fraction",
               "resting_mb", "step_ms", "time_ratio", "predicted_time_ratio", "paired_base_step_ms",
               "time_ratio_separate", "max_rel_err", "grad_build_s", "trace_s", "first_call_s",
@@ -695,7 +695,7 @@ def _rows(results, strategies, paths, offload_requested=False):
                 row["predicted_error"] = row["predicted_mb"] / row["peak_mb"] - 1
             if result.get("predicted_peak_range") and not result.get("calibrated_peak_bytes"):
                 least, most = (end / 2**20 for end in result["predicted_peak_range"])
-                row["predicted_range_mb"] = f"{least:.1f}-{most:.1f}"
+                row["predicted_range"] = f"{least:.1f}-{most:.1f}"
                 row["range_error"] = _range_error(row["peak_mb"], least, most)
             row["resting_mb"] = result["resting_bytes"] / 2**20
             row["step_ms"] = result["step_s"] * 1e3
@@ -916,7 +916,7 @@ def format_predict_table(rows, markdown=False):
     """The predictions as text (or Markdown): measured and predicted peak and their error."""
     cells = [[row["family"], row["strategy"]] + (
         [_fmt(row["peak_mb"], ".1f"), _fmt(row["predicted_mb"], ".1f"),
-         _fmt(row["predicted_error"], "+.0%"), row.get("predicted_range_mb") or "-",
+         _fmt(row["predicted_error"], "+.0%"), row.get("predicted_range") or "-",
          _fmt(row.get("range_error"), "+.0%")] if row["status"] == "ok"
         else [row["status"] or "failed", "-", "-", "-", "-"]) for row in rows]
     if markdown:

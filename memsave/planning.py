@@ -254,9 +254,6 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
         reads_checkpoints=prediction.reads_checkpoints,
         recomputes_ahead=prediction.recomputes_ahead,
         reads_last_segment=prediction.reads_last_segment,
-        prediction_range=model.peak_range(
-            ids, offloaded_ids, problem.offload.prefetch if offloaded_ids else 1,
-            problem.offload.flops_per_byte if offloaded_ids else None, **prediction.flags()),
         # Not under XLA (which drops control inputs), nor where TensorFlow's own CPU
         # convolution gradients run pairwise one after the other: their control inputs
         # point from a filter gradient to the input gradient made before it, and a chain
@@ -280,6 +277,10 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
             f"{prediction.device_peak_bytes / 2**20:.3g} MiB, not below tf.gradients' "
             f"{baseline / 2**20:.3g} MiB, so plain tf.gradients was used"),
             warn=explicit, **decided)
+    # (only for a plan that may run: two more simulations where a loop moves the peak)
+    decided["prediction_range"] = model.peak_range(
+        ids, offloaded_ids, problem.offload.prefetch if offloaded_ids else 1,
+        problem.offload.flops_per_byte if offloaded_ids else None, **prediction.flags())
     try:
         parts = _parts_in_backward_order(region, segmentation, xs, [c.tensor for c in kept])
     except backward.NoBackwardOrder as why:

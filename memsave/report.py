@@ -243,16 +243,11 @@ class RewriteReport:
     def _peaks(self):
         if self.predicted_peak_bytes is None:
             return ""
-        text = (f"; predicted peak {_mb(self.predicted_peak_bytes)}"
-                f"{_span(self.predicted_peak_range)}"
-                f" vs tf.gradients' {_mb(self.baseline_peak_bytes)}"
-                f"{_span(self.baseline_peak_range)}")
+        text = (f"; predicted peak {_mb(self.predicted_peak_bytes)} vs tf.gradients' "
+                f"{_mb(self.baseline_peak_bytes)}")
         if self.baseline_peak_bytes:
             text += f" ({self.predicted_peak_bytes / self.baseline_peak_bytes:.2f}x)"
-        text += f", at {self.peak_at}"
-        if self.predicted_peak_range or self.baseline_peak_range:
-            text += ("; a range is as far as TensorFlow runs its gradient loops ahead, "
-                     "which varies from process to process")
+        text += f", at {self.peak_at}{self._ranges()}"
         if self.memory_calibration is not None:
             text += (f"; calibrated: {_mb(self.calibrated_peak_bytes)} vs tf.gradients' measured "
                      f"{_mb(self.measured_baseline_peak_bytes)} ({self.memory_calibration})")
@@ -262,6 +257,15 @@ class RewriteReport:
             text += (f"; with {_mb(self.beside_bytes)} held beside the gradients "
                      f"({self.beside_source})")
         return text
+
+    def _ranges(self):
+        ranges = [f"{who} {_span(peaks)}" for who, peaks in (
+            ("this plan", self.predicted_peak_range), ("tf.gradients'", self.baseline_peak_range))
+                  if peaks is not None]
+        if not ranges:
+            return ""
+        return ("; as far ahead as TensorFlow runs its gradient loops, which varies from "
+                f"process to process: {', '.join(ranges)}")
 
     def _dims_text(self):
         source = self.unknown_dim_source
@@ -326,10 +330,8 @@ def loop_line(memory, why):
 
 
 def _span(peak_range):
-    """' (least-most MiB)' of a peak range, '' for None."""
-    if peak_range is None:
-        return ""
-    return f" ({peak_range[0] / 2**20:.1f}-{peak_range[1] / 2**20:.1f} MiB)"
+    """'least-most MiB' of a peak range."""
+    return f"{peak_range[0] / 2**20:.1f}-{peak_range[1] / 2**20:.1f} MiB"
 
 
 def _mb(n):

@@ -210,7 +210,7 @@ def test_predict_table_lists_measured_and_predicted_peaks():
     text = compare.format_predict_table(rows)
     assert text.splitlines()[0].split() == ["model", "strategy", "measured", "MiB", "predicted",
                                             "MiB", "error", "range", "MiB", "range", "error"]
-    assert all(row["predicted_range_mb"] is None for row in rows)  # (no loops: no range)
+    assert all(row["predicted_range"] is None for row in rows)  # (no loops: no range)
     markdown = compare.format_predict_table(rows, markdown=True)
     assert markdown.count("| tiny MLP |") == 2
     assert {name for name, *_ in compare.PREDICT_FAMILIES} >= {"ViT (Keras layers)",
@@ -226,9 +226,15 @@ def test_a_predicted_range_misses_by_the_nearer_end():
     assert compare._range_error(200.0, 110.0, 150.0) == pytest.approx(-0.25)
     row = dict(family="LSTM", strategy="tf.gradients", status="ok", peak_mb=152.4,
                predicted_mb=128.4, predicted_error=128.4 / 152.4 - 1,
-               predicted_range_mb="112.1-153.3", range_error=0.0)
+               predicted_range="112.1-153.3", range_error=0.0)
     assert "| LSTM | tf.gradients | 152.4 | 128.4 | -16% | 112.1-153.3 | +0% |" in (
         compare.format_predict_table([row], markdown=True))
+    measured = {"status": "ok", "peak_bytes": 100 * 2**20, "resting_bytes": 0, "step_s": 1.0,
+                "predicted_peak_bytes": 120 * 2**20,
+                "predicted_peak_range": [110 * 2**20, 150 * 2**20]}
+    got, = compare._rows({"tf.gradients": measured}, ["tf.gradients"],
+                         {"tf.gradients": os.devnull + "-none"})
+    assert (got["predicted_range"], got["range_error"]) == ("110.0-150.0", pytest.approx(0.10))
 
 
 def test_predict_families_picks_rows_by_part_of_their_label():

@@ -817,8 +817,41 @@ def test_budget_plan_past_the_exhaustive_search_is_within_ten_percent_of_optimal
         assert found[0].recompute_flops <= 1.10 * _brute_force(model, limit)
 
 
+class _PricedPlans:
+    """A search over made-up plans, each with its cost and peak (plan -> (cost, peak)),
+    recording which it simulated."""
+    offloadable = None
+
+    def __init__(self, table):
+        self.table, self.simulated = table, []
+
+    def cost(self, plan):
+        return self.table[tuple(plan)][0]
+
+    def fit(self, plan, limit_bytes, allocator=True):
+        self.simulated.append(tuple(plan))
+        cost, peak = self.table[tuple(plan)]
+        return None if peak > limit_bytes else (
+            types.SimpleNamespace(cost_flops=cost, peak_bytes=peak), list(plan), [])
+
+
+def test_the_cheapest_fitting_neighbour_is_found_without_simulating_costlier_ones():
+    """Standing on a fitting plan of cost 10 (peak 50, limit 60): a costlier neighbour is
+    never simulated, one that does not fit is passed over, and among the cheapest that
+    fit the lowest peak wins, the first made among equals; once one fits, nothing
+    costlier is simulated."""
+    search_ = _PricedPlans({(1,): (12, 10), (2,): (8, 99), (3,): (9, 40), (4,): (9, 30),
+                            (5,): (9, 30), (6,): (10, 20)})
+    plans = [[1], [], [2], [3], [4], [5], [6]]
+    score, fitted, plan = local_search._cheapest_fitting(search_, plans, (0, 10, 50), 60)
+    assert (score, plan, fitted[1]) == ((0, 9, 30), [4], [4])
+    assert search_.simulated == [(2,), (3,), (4,), (5,)]
+    assert local_search._cheapest_fitting(search_, [[1], [2]], (0, 10, 50), 60) is None
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_the_local_search_simulates_the_cheapest_neighbours_first_and_finds_the_same(seed):
+def test_the_local_search_simulates_the_cheapest_neighbours_first_and_finds_the_same(
+        seed, monkeypatch):
     """Once the local search stands on a plan that fits, only a neighbour costing no more
     can be better, and the least costly one that fits is: `_cheapest_fitting` ranks them
     by cost and simulates from the cheapest until one fits, and finds what simulating
@@ -849,6 +882,13 @@ def test_the_local_search_simulates_the_cheapest_neighbours_first_and_finds_the_
     assert expected is not None
     assert (found[0], found[2]) == expected, (found, expected)
     assert len(simulated) < len(neighbours)
+    # (and the local search takes its rounds so, once it stands on a plan that fits)
+    calls, cheapest_fitting = [], local_search._cheapest_fitting
+    monkeypatch.setattr(local_search, "_cheapest_fitting",
+                        lambda *args: calls.append(args) or cheapest_fitting(*args))
+    with tf.Graph().as_default():
+        assert local_search.improved(finder, [start], limit) is not None
+    assert calls
 
 
 @pytest.mark.parametrize("read_last_segment", [False, True], ids=["recomputed", "read"])

@@ -26,11 +26,7 @@ def improved(search, plans, limit_bytes):
     def ordered(ids):  # (a plan may hold expensive outputs that are no candidates)
         return sorted(ids, key=lambda t: (producer[t], t))
 
-    def scored(plan, bound):
-        if bound is not None and bound[0] == 0 and search.offloadable is None:
-            cost = search.cost(plan)
-            if cost > bound[1]:  # (scored no better than `bound`, whether it fits or not)
-                return (0, cost, float("inf")), None
+    def scored(plan):
         fitted = search.fit(plan, limit_bytes, allocator=False)
         if fitted is not None:
             return (0, fitted[0].cost_flops, fitted[0].peak_bytes), fitted
@@ -64,8 +60,7 @@ def improved(search, plans, limit_bytes):
     def best_of(plans, bound=None):  # (plans costing more than a fitting bound: not simulated)
         if bound is not None and bound[0] == 0 and search.offloadable is None:
             return _cheapest_fitting(search, plans, bound, limit_bytes)
-        return min((scored(p, bound) + (p,) for p in plans if p), key=lambda f: f[0],
-                   default=None)
+        return min((scored(p) + (p,) for p in plans if p), key=lambda f: f[0], default=None)
 
     starts = [ordered(set(plan)) for plan in plans if plan]
     if not starts:
@@ -90,7 +85,9 @@ def _cheapest_fitting(search, plans, bound, limit_bytes):
     ranked by cost (MemoryModel.cost_of: no simulation) and simulated cheapest first
     until one fits, with the others of its cost: the same answer as simulating every
     one (keras-hub GPT-2's budget(0.5): about a third of a round's simulations).
-    Returns (score, fitted, plan), or None where none of them is better."""
+    Returns (score, fitted, plan) of the best that fits at no more than the bound's cost
+    (which may score no better than the bound: the caller compares), or None where none
+    does."""
     # (a stable sort: among equals the first made wins, as `min` lets it)
     costed = sorted(((cost, plan) for cost, plan in ((search.cost(p), p) for p in plans if p)
                      if cost <= bound[1]), key=lambda c: c[0])

@@ -45,7 +45,8 @@ class LoopMemory:  # (see `recomputed` for the decision)
         for the copy's gradient (at most memsave.graph.loops.PARALLEL_ITERATIONS
         iterations at once). Both count the running sums of those gradients too.
       gradient_run_ahead_span: (least, most) of gradient_run_ahead: none of the
-        parallel iterations run ahead, or all of them (`run_ahead`).
+        parallel iterations run ahead, or all of them (`run_ahead`); None: as counted
+        (under XLA, whose compiled loop runs one iteration after another).
       carried, carries: the bytes of one iteration's inputs the copy keeps (its carry),
         and how many of them it holds at once (`carries_kept`; in `kept_by_copy`).
     """
@@ -59,13 +60,19 @@ class LoopMemory:  # (see `recomputed` for the decision)
     chunk: int = 1
     carried: int = 0
     carries: int = 0
-    gradient_run_ahead_span: tuple = (0, 0)
+    gradient_run_ahead_span: Optional[tuple] = None
 
     def run_ahead(self, end=None):
         """gradient_run_ahead as counted (`end` None), or its least (0) or most (1): how
         far ahead TensorFlow's executor runs a gradient loop varies from process to
         process, so one step may peak at either end (RUN_AHEAD_ENDS)."""
-        return self.gradient_run_ahead if end is None else self.gradient_run_ahead_span[end]
+        span = self.gradient_run_ahead_span
+        return self.gradient_run_ahead if end is None or span is None else span[end]
+
+    @property
+    def run_ahead_varies(self):
+        """Whether how far TensorFlow runs this loop's gradient ahead moves its memory."""
+        return self.run_ahead(0) != self.run_ahead(1)
 
 
 # The ends of the range over which a gradient loop's run-ahead moves a step's peak
@@ -179,7 +186,8 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
                       kept_by_tensorflow=count * per_iteration, kept_by_copy=kept_by_copy,
                       why_kept=why,
                       gradient_run_ahead=run_ahead(counted),
-                      gradient_run_ahead_span=(run_ahead(0), run_ahead(parallel)),
+                      gradient_run_ahead_span=None if under_xla else (run_ahead(0),
+                                                                      run_ahead(parallel)),
                       copy_run_ahead=(products + max(0, copy_parallel * (products - carried))
                                       + (_CHUNK_SUMS * products if chunk > 1 else 0)),
                       chunk=chunk, carried=carried, carries=carries)

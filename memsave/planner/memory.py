@@ -210,18 +210,21 @@ class MemoryModel:
         (LoopMemory.run_ahead). How far the executor runs ahead varies from process to
         process: plain Keras' LSTM stack peaked at 87-90 MiB in three processes of six
         and at 131-136 in the others (Intel Xeon). None where no such loop's run-ahead
-        moves (the step has none, or the plan recomputes them all)."""
+        moves (the step has none, the plan recomputes them all, or the peak is elsewhere)."""
         recomputed = () if checkpoints is None else self._setup.recomputed_loops
-        if not any(memory.gradient_run_ahead_span[0] != memory.gradient_run_ahead_span[1]
-                   for op, memory in self.graph.loops.items() if op not in recomputed):
+        if not any(memory.run_ahead_varies for op, memory in self.graph.loops.items()
+                   if op not in recomputed):
             return None
         if self._at_ends is None:
             self._at_ends = [MemoryModel(self.graph, self.allocator, self.beside, end)
                              for end in loops_lib.RUN_AHEAD_ENDS]
         if checkpoints is None:
-            return tuple(m.baseline(allocator=True).device_peak_bytes for m in self._at_ends)
-        return tuple(m.predict(checkpoints, offloaded, prefetch, flops_per_byte, allocator=True,
-                               **flags).device_peak_bytes for m in self._at_ends)
+            ends = tuple(m.baseline(allocator=True).device_peak_bytes for m in self._at_ends)
+        else:
+            ends = tuple(m.predict(checkpoints, offloaded, prefetch, flops_per_byte,
+                                   allocator=True, **flags).device_peak_bytes
+                         for m in self._at_ends)
+        return ends if ends[0] != ends[1] else None
 
     def cost_of(self, checkpoints, offloaded=(), flops_per_byte=None, read_checkpoints=False,
                 read_last_segment=False):
