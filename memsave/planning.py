@@ -242,14 +242,15 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
     offloaded_ids = [graph.id_of(c.tensor) for c in kept if c.tensor.name in offloaded]
     prediction = plan_variants.final_prediction(model, environment, selection, ids,
                                                 offloaded_ids, problem.offload)
+    prefetch = problem.offload.prefetch if offloaded_ids else 1
     decided = dict(
         common, checkpoints=tuple(kept), offloaded=offloaded,
         offload=problem.offload if offloaded else None, prediction=prediction,
         # (after the prediction: a curve re-simulates, and the prediction's allocator
         # replay reuses the search's last simulation where it is the chosen plan's)
         baseline_curve=model.curve(),
-        curve=model.curve(ids, offloaded_ids, problem.offload.prefetch if offloaded_ids else 1,
-                          prediction.reads_checkpoints, prediction.recomputes_ahead,
+        curve=model.curve(ids, offloaded_ids, prefetch, prediction.reads_checkpoints,
+                          prediction.recomputes_ahead,
                           read_last_segment=prediction.reads_last_segment),
         reads_checkpoints=prediction.reads_checkpoints,
         recomputes_ahead=prediction.recomputes_ahead,
@@ -279,8 +280,8 @@ def make_plan(problem, strategy, strategy_name, xs, explicit=False, quiet=False)
             warn=explicit, **decided)
     # (only for a plan that may run: two more simulations where a loop moves the peak)
     decided["prediction_range"] = model.peak_range(
-        ids, offloaded_ids, problem.offload.prefetch if offloaded_ids else 1,
-        problem.offload.flops_per_byte if offloaded_ids else None, **prediction.flags())
+        ids, offloaded_ids, prefetch, problem.offload.flops_per_byte if offloaded_ids else None,
+        **prediction.flags())
     try:
         parts = _parts_in_backward_order(region, segmentation, xs, [c.tensor for c in kept])
     except backward.NoBackwardOrder as why:

@@ -67,12 +67,18 @@ def _peak_over_calls(run):
     return peak_memory_bytes(calls)
 
 
+def _predicted_mb():
+    """The recorded prediction in MiB: "predicted_mb", and "predicted_range_mb" ([least,
+    most], or None: RewriteReport.predicted_peak_range)."""
+    peak_range = _PREDICTED.get("range")
+    return {"predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
+            "predicted_range_mb": peak_range and [end / 2**20 for end in peak_range]}
+
+
 def _measure(step, *args):
     step(*args)  # trace and warm up outside the measured calls
     peak, grads = _peak_over_calls(lambda: [g.numpy() for g in step(*args)])
-    peak_range = _PREDICTED.get("range")
-    return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
-            "predicted_range_mb": peak_range and [end / 2**20 for end in peak_range],
+    return {"peak_mb": peak / 2**20, **_predicted_mb(),
             "rewritten": _PREDICTED.get("rewritten", False),
             "decided": _PREDICTED.get("decided"),
             "checkpoints": _PREDICTED.get("checkpoints", 0),
@@ -172,9 +178,7 @@ def chain_v1(mode, n=100):
         with tf.compat.v1.Session() as session:
             session.run(grads, feed)
             peak, values = _peak_over_calls(lambda: session.run(grads, feed))
-    peak_range = _PREDICTED.get("range")
-    return {"peak_mb": peak / 2**20, "predicted_mb": _PREDICTED.get("bytes", 0) / 2**20,
-            "predicted_range_mb": peak_range and [end / 2**20 for end in peak_range],
+    return {"peak_mb": peak / 2**20, **_predicted_mb(),
             "checksum": float(sum(np.sum(g, dtype=np.float64) for g in values))}
 
 

@@ -178,16 +178,16 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
     # whole is: on the Intel Xeon with AVX-512, plain Keras' stack at batch 45 held 87-90
     # MiB in three runs of six and 131-136 in the others, each LSTM kernel's gradient
     # 32 times over, and max_batch_size's answer from half ran out of memory.)
-    def run_ahead(iterations_ahead):
+    def held_ahead(iterations_ahead):
         return products + max(0, iterations_ahead * (products - per_iteration))
 
     counted = parallel if whole_run_ahead else max(1, parallel // 2)
     return LoopMemory(iterations=count, known=iterations is not None,
                       kept_by_tensorflow=count * per_iteration, kept_by_copy=kept_by_copy,
                       why_kept=why,
-                      gradient_run_ahead=run_ahead(counted),
-                      gradient_run_ahead_span=None if under_xla else (run_ahead(0),
-                                                                      run_ahead(parallel)),
+                      gradient_run_ahead=held_ahead(counted),
+                      gradient_run_ahead_span=None if under_xla else (held_ahead(0),
+                                                                      held_ahead(parallel)),
                       copy_run_ahead=(products + max(0, copy_parallel * (products - carried))
                                       + (_CHUNK_SUMS * products if chunk > 1 else 0)),
                       chunk=chunk, carried=carried, carries=carries)

@@ -215,8 +215,9 @@ class MemoryModel:
         if not any(memory.run_ahead_varies for op, memory in self.graph.loops.items()
                    if op not in recomputed):
             return None
-        if self._at_ends is None:
-            self._at_ends = [MemoryModel(self.graph, self.allocator, self.beside, end)
+        if self._at_ends is None:  # (this model, where it counts an end already)
+            self._at_ends = [self if self._counts(end) else
+                             MemoryModel(self.graph, self.allocator, self.beside, end)
                              for end in loops_lib.RUN_AHEAD_ENDS]
         if checkpoints is None:
             ends = tuple(m.baseline(allocator=True).device_peak_bytes for m in self._at_ends)
@@ -225,6 +226,12 @@ class MemoryModel:
                                    allocator=True, **flags).device_peak_bytes
                          for m in self._at_ends)
         return ends if ends[0] != ends[1] else None
+
+    def _counts(self, end):
+        """Whether this model's loops run ahead as far as `end` says (under a limit the
+        counted run-ahead is the most: Environment.holds_a_limit)."""
+        return all(memory.run_ahead(self._setup.run_ahead_end) == memory.run_ahead(end)
+                   for memory in self.graph.loops.values())
 
     def cost_of(self, checkpoints, offloaded=(), flops_per_byte=None, read_checkpoints=False,
                 read_last_segment=False):
