@@ -95,7 +95,9 @@ def capped_step(model, batch, limit_mb, with_memsave, optimizer="adam"):
             memsave.keras.enable(net)
         net.optimizer.build(net.trainable_variables)
         step = tf.function(net.train_step)
-        data = (tf.constant(x), tf.constant(y))
+        # (in the allocator's memory, as a batch from fit's dataset or on a GPU is:
+        # tf.constant of an array sometimes keeps its copy outside it)
+        data = (measure.device_input(x), measure.device_input(y))
         for _ in range(2):
             step(data)
     except tf.errors.ResourceExhaustedError:

@@ -16,6 +16,7 @@ from memsave import environment as environment_lib
 from memsave import inputs as inputs_lib, planner
 from memsave.graph import _tf_private
 from memsave.planner import costs, forward_pass, local_search, opinfo, schedule, search
+from memsave.planner import problem as problem_lib
 from memsave.planner.segments import Segmentation
 from memsave.planner.kernels import eigen_cpu, gpu, onednn_cpu
 from memsave.region import ForwardRegion
@@ -1816,6 +1817,47 @@ def test_a_variable_reads_gradient_step_runs_beside_nothing():
     assert any(model.graph.ops[op].type == "ReadVariableOp" for op, _ in orders[2])
     assert orders[2] == orders[1] and all(beside == 0 for _, beside in orders[2])
     assert peaks[2] == peaks[1]
+
+
+def test_a_weight_updated_as_its_gradient_is_made_is_freed_then_in_a_plan():
+    """Where the training step updates each weight as soon as its gradient is made (a
+    Keras optimizer's update), a plan's weight gradient is freed within its segment's
+    backward pass, as TensorFlow's executor runs it: a variable read's gradient is the
+    incoming one itself, summed into the variable's by the rewrite without a gradient
+    call. (Counted after every segment, the gradients of a 24 x Dense(256) MLP under
+    Adam were alive to the step's end, and in one region the replay placed them among
+    the freed activations: 99.7 MiB predicted for 93.8 used, Intel Xeon.)"""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [512, 128])
+        rng = np.random.default_rng(0)
+        weights = [tf.Variable(rng.standard_normal([128, 128]).astype(np.float32) * 0.1)
+                   for _ in range(8)]
+        h, outs = x, []
+        for w in weights:
+            h = tf.tanh(tf.matmul(h, w))
+            outs.append(h)
+        loss = tf.reduce_sum(h * h)
+        call = inputs_lib.normalise_call([loss], weights)
+        region = ForwardRegion.build(call.ys, call.xs)
+        environment = planner.Environment.read(loss.graph)
+        held = {}
+        for updates_each in (True, False):
+            beside = memsave.beside.Beside((), "an optimizer", 0.0, updates_each)
+            model = problem_lib.memory_model(region, environment, beside=beside)
+            graph = model.graph
+            timeline, _ = model.simulated(_ids(model, [outs[3]]))
+            weight_gradients = [
+                buffer for buffer, owner in enumerate(timeline.owners)
+                if timeline.kinds[buffer].startswith("gradients") and owner is not None
+                and hasattr(owner, "tensor") and (
+                    graph.is_x[owner.tensor]
+                    or graph.ops[graph.producer[owner.tensor]].type == "ReadVariableOp")]
+            held[updates_each] = max(
+                sum(1 for b in weight_gradients if timeline.starts[b] <= step <= timeline.ends[b])
+                for step in range(len(timeline.labels)))
+    # Each one consumed as it is made (a MatMul's weight gradient and the next one's at
+    # most), against all eight at the end where the update waits for every gradient.
+    assert held[True] <= 2 and held[False] == len(weights), held
 
 
 def test_deferred_filter_gradients_run_side_by_side_as_the_executor_runs_them(monkeypatch):

@@ -208,6 +208,9 @@ class Gradients:
         # An update consuming each x's gradient as it is made (memsave.beside.Beside).
         self.updates_each = beside is not None and beside.updates_each_gradient
         self.update_temporaries = beside.update_temporaries if beside is not None else 0
+        # Gradients someone waits for (`watch`), in the order they were completed.
+        self.watched = frozenset()
+        self.completed = []
 
     def seed(self, tid, step):
         """The gradient of y `tid` (ones) is made at `step`."""
@@ -233,7 +236,14 @@ class Gradients:
                 self.total[tid] = timeline.buffer(step, nbytes, kind, self.tensor_owners[tid])
             if self.graph.is_x[tid]:
                 self._completed_x(tid, nbytes, step)
+            if tid in self.watched:
+                self.completed.append(tid)
         return None if shares is not None else buffer
+
+    def watch(self, tids):
+        """From now on, each of `tids` whose gradient is completed is appended to
+        `completed`, for the caller to take."""
+        self.watched = frozenset(tids)
 
     def _completed_x(self, tid, nbytes, step):
         """An x's gradient is a result: alive to the end of the step, or, where a
