@@ -79,9 +79,10 @@ def capped_step(model, batch, limit_mb, with_memsave, optimizer="adam"):
     out of memory ({"oom": True}).
 
     The step is the one `fit` runs (the model's `train_step`, memsave's where enabled,
-    compiled with tf.function), given its batch as tensors: `fit`'s input pipeline,
-    which on a CPU holds the dataset and a few batches in the same allocator (a GPU's
-    are in host memory), is left out, as max_batch_size leaves it out.
+    compiled with tf.function), given its batch as tensors in the allocator's memory (as
+    the batch a step gets is): `fit`'s input pipeline, which on a CPU holds the dataset
+    and a few batches in the same allocator (a GPU's are in host memory), is left out,
+    as max_batch_size leaves it out.
     """
     import tensorflow as tf
 

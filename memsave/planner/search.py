@@ -5,10 +5,10 @@ the tensors crossing a cut split the forward pass in two.
 
 - `minimise_peak`: plans built greedily for a range of segment sizes (Chen et
   al. 2016, section 4.3: cut when a segment's activations pass a budget, here at
-  the cheapest cut in reach), each simulated; the lowest predicted peak wins,
-  then, of the plans within NEAR_LOWEST of it recomputing no more, the one with the
-  smallest segments (least recomputation per segment): what the model leaves out
-  grows with a segment.
+  the cheapest cut in reach), each simulated; the lowest predicted peak wins, ties
+  going to less recomputation; for 'memory', of the plans within NEAR_LOWEST of it
+  recomputing no more, the one with the smallest segments (least recomputation per
+  segment): what the model leaves out grows with a segment.
 - `within_budget`: the least recomputation whose predicted peak fits a limit:
   those plans, each also with the outputs of expensive ops kept while they fit.
   A plan fits when the chunks the device's allocator would hold for it do
@@ -44,9 +44,9 @@ from memsave.planner.local_search import improved
 
 EXACT_PEAK_LIMIT = 10
 PEAK_TIE = 0.005
-# The lowest-peak search takes, of the plans within this share of the lowest peak that
-# recompute no more than the lowest, the one whose segments recompute least each (its
-# recomputation over its segments).
+# 'memory' takes, of the cut plans within this share of the lowest peak that recompute no
+# more than the plan the lowest peak alone picks (PEAK_TIE), the one whose segments
+# recompute least each (its recomputation over its segments).
 # What the model leaves out grows with a segment: gradient work TensorFlow starts as soon
 # as a segment's copies exist (GELU's pow(x, 2)), and chunks the allocator leaves unsplit.
 # keras-hub GPT-2 under fit (Adam, batch 8): 4 checkpoints predicted 1.3% below 6, measured
@@ -261,7 +261,7 @@ def _ranked(graph, expensive):
                                             -graph.producer[t]))
 
 
-def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
+def minimise_peak(model, exact=None, expensive=(), tolerance=0.0, smallest_segments=False):
     """(Prediction, checkpoint tensor ids) of the plan with the lowest predicted peak.
 
     Args:
@@ -269,7 +269,10 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
       exact: try every subset (default: when there are few candidates).
       expensive: tensor ids worth keeping to save recomputation; kept too as long
         as the peak stays within `tolerance` of the lowest.
-      tolerance: how much above the lowest peak (a fraction) buys less recomputation.
+      tolerance: how much above the chosen plan's peak (a fraction) buys less
+        recomputation.
+      smallest_segments: of the cut plans nearly lowest, the one with the smallest
+        segments (_Search.best; 'memory'), up to NEAR_LOWEST above the lowest.
     Returns:
       (Prediction, plan), or None when there is nothing to keep.
     """
@@ -277,7 +280,7 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0):
     if exact is None:
         exact = len(search.candidates.tensors) <= EXACT_PEAK_LIMIT
     best = search.best(_subsets(search.candidates.tensors) if exact else search.cut_plans(),
-                       smallest_segments=not exact)
+                       smallest_segments=smallest_segments and not exact)
     if best is None or not expensive or exact:
         return best
     limit = int(best[0].peak_bytes * (1 + tolerance))

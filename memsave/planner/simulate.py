@@ -192,7 +192,7 @@ class _StepRun:
                             pieces=max(1, round(beside.update_temporaries)))
 
     # -- one gradient step ----------------------------------------------------------
-    def gradient_step(self, op, buffers, label, deferred=None, beside=0):
+    def gradient_step(self, op, buffers, label, deferred=None, beside=0, takes_a_thread=True):
         """One op's gradient, reading forward tensors from `buffers` (the forward
         pass's, or a segment's simulate_plan.Overlay). In a segment of the rewrite
         (`deferred` a list), the contributions the rewrite makes last
@@ -200,10 +200,11 @@ class _StepRun:
         they keep alive until then.
         `beside`: how many of the next gradient steps start while this one runs
         (schedule.backward_order): what it reads and its temporaries are alive
-        through them."""
+        through them. A step that does no work (`takes_a_thread` False: a variable
+        read's, taken as soon as its gradient is complete) is not one of those."""
         graph, timeline = self.graph, self.timeline
         step = timeline.step(label)
-        held_beside = self._run_beside(step)
+        held_beside = self._run_beside(step) if takes_a_thread else frozenset()
         incoming = [self.gradients.consume(tid, step) for tid in graph.outputs[op]]
         reads, held = self._reads(op, buffers)
         for buffer in reads:

@@ -127,18 +127,21 @@ class _PromptSteps:
         that are not recomputed."""
         gradients = self.run.gradients
         while gradients.completed:
-            op = self.waiting.get(gradients.completed.pop(0))
+            op = self.waiting.get(gradients.completed.popleft())
             if op is None or op in self.done or not gradients.complete(
                     self.run.graph.outputs[op]):
                 continue
             self.done.add(op)
             phase, index = where
-            self.run.gradient_step(op, self.run.forward, (phase, op, index))
+            self.run.gradient_step(op, self.run.forward, (phase, op, index),
+                                   takes_a_thread=False)
 
 
 def _passes_gradient_through(graph, op):
     """Whether op `op`'s gradient is its incoming gradient itself for each input it
-    sends one to, reading nothing and making no temporaries."""
+    sends one to, reading nothing and making no temporaries: a variable read's, and a
+    loose Identity's or Reshape's, which no kernel computes either (a view of the
+    incoming gradient), so TensorFlow has it as soon as the incoming one is complete."""
     return (bool(graph.grad_inputs[op]) and not graph.grad_reads[op]
             and not graph.grad_temporaries[op] and op not in graph.loops
             and all(graph.gradient_passes_through(op, tid) for tid, _ in graph.grad_inputs[op]))

@@ -19,6 +19,7 @@ or `THE_STEP` for what the training step holds beside them (an optimizer's state
 `Owners` holds one of each tensor's and op's, made once per step.
 """
 
+import collections
 import dataclasses
 
 from memsave.planner import intervals
@@ -210,7 +211,7 @@ class Gradients:
         self.update_temporaries = beside.update_temporaries if beside is not None else 0
         # Gradients someone waits for (`watch`), in the order they were completed.
         self.watched = frozenset()
-        self.completed = []
+        self.completed = collections.deque()
 
     def seed(self, tid, step):
         """The gradient of y `tid` (ones) is made at `step`."""

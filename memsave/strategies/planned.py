@@ -44,7 +44,9 @@ def _expensive_outputs(graph):
 
 
 def lowest_peak(tolerance=None):
-    """A strategy keeping the checkpoints with the lowest predicted peak.
+    """A strategy keeping the checkpoints with the lowest predicted peak (of the plans
+    within search.NEAR_LOWEST of it that recompute no more, the one with the smallest
+    segments: what the model leaves out grows with a segment).
 
     Args:
       tolerance: None (default) for the lowest peak alone; a fraction, e.g. 0.05, to
@@ -54,10 +56,13 @@ def lowest_peak(tolerance=None):
     def strategy(problem):
         model = problem.model
         expensive = _expensive_outputs(model.graph) if tolerance is not None else ()
-        best = search.minimise_peak(model, expensive=expensive, tolerance=tolerance or 0.0)
+        best = search.minimise_peak(model, expensive=expensive, tolerance=tolerance or 0.0,
+                                    smallest_segments=True)
         if best is None:
             return []
-        prediction, plan = best  # (ranked by live tensors: the report replays the allocator)
+        # (ranked by live tensors, the report replays the allocator; of the nearly lowest,
+        # the smallest segments: search.NEAR_LOWEST)
+        prediction, plan = best
         # Its segments recompute their checkpoints: reading them instead holds each one
         # through the next segment's backward pass (on a chain, one tensor more at the
         # peak: tests/test_planner.py), and the lowest peak is what was asked for. Nor do
