@@ -19,7 +19,7 @@ def backward_order(graph, ops):
     Returns:
       [(op, beside)]: `beside` is how many of the steps after it start while it runs:
       those already waiting when it starts (independent of it: another branch's) that
-      take a thread (`_takes_a_thread`), as many as the executor has further threads
+      take a thread (`step_takes_a_thread`), as many as the executor has further threads
       (StepGraph.inter_op_threads); 0 in a chain, and for a step that takes none.
     """
     members = set(ops)
@@ -36,7 +36,7 @@ def backward_order(graph, ops):
 
     def working(op):
         if op not in takes_a_thread:
-            takes_a_thread[op] = _takes_a_thread(graph, op)
+            takes_a_thread[op] = step_takes_a_thread(graph, op)
         return takes_a_thread[op]
     while ready:
         op = ready.popleft()
@@ -56,7 +56,7 @@ def backward_order(graph, ops):
     return order
 
 
-def _takes_a_thread(graph, op):
+def step_takes_a_thread(graph, op):
     """Whether op `op`'s gradient step does work another step could run beside: not
     where it makes no temporaries and each contribution is its incoming gradient itself
     (a variable read's, an identity's). Counted as running beside, a Keras MLP's variable

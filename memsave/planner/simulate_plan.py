@@ -139,12 +139,12 @@ class _PromptSteps:
 
 def _passes_gradient_through(graph, op):
     """Whether op `op`'s gradient is its incoming gradient itself for each input it
-    sends one to, reading nothing and making no temporaries: a variable read's, and a
-    loose Identity's or Reshape's, which no kernel computes either (a view of the
-    incoming gradient), so TensorFlow has it as soon as the incoming one is complete."""
+    sends one to (a step that takes no thread: schedule.step_takes_a_thread), reading
+    nothing: a variable read's, and a loose Identity's or Reshape's, which no kernel
+    computes either (a view of the incoming gradient), so TensorFlow has it as soon as
+    the incoming one is complete."""
     return (bool(graph.grad_inputs[op]) and not graph.grad_reads[op]
-            and not graph.grad_temporaries[op] and op not in graph.loops
-            and all(graph.gradient_passes_through(op, tid) for tid, _ in graph.grad_inputs[op]))
+            and op not in graph.loops and not schedule.step_takes_a_thread(graph, op))
 
 
 def _deferred_steps(run, deferred, prompt):
