@@ -65,6 +65,9 @@ FORBIDDEN = {
     "memsave.planner.constant_folding": ["memsave.planner.graph", "memsave.planner.memory",
                                          "memsave.planner.search"],
     "memsave.planner.candidates": ["memsave.planner.search", "memsave.planner.memory"],
+    # Which tensors a budget keeps to recompute less: read off the StepGraph alone.
+    "memsave.planner.expensive": ["memsave.planner.search", "memsave.planner.memory",
+                                  "memsave.planner.simulate", "memsave.strategies"],
     # A budget's local search: it drives the search's predictions, never the search itself.
     "memsave.planner.local_search": ["memsave.planner.search", "memsave.planner.memory",
                                      "memsave.strategies"],

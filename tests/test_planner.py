@@ -1991,3 +1991,53 @@ def test_gradients_that_pass_through_unchanged_share_their_buffer():
         assert passes(broadcast, summed) and not passes(broadcast, broadcast.op.inputs[1])
         reshape = loss.op.inputs[0].op
         assert step.gradient_passes_through(step.op_id[reshape], step.id_of(broadcast))
+
+
+def _biased_dense_stack(blocks):
+    """A float64 stack of tanh(h @ w + b) (tf.nn.bias_add) with the weights' reads as
+    xs: each MatMul's output flows alone through its BiasAdd and tanh."""
+    rng = np.random.RandomState(5)
+    h = tf.constant(rng.standard_normal([512, 64]))
+    xs, matmuls, outs = [], [], []
+    for _ in range(blocks):
+        w = tf.convert_to_tensor(tf.Variable(rng.standard_normal([64, 64]) * 0.2))
+        b = tf.convert_to_tensor(tf.Variable(rng.standard_normal([64]) * 0.1))
+        xs += [w, b]
+        matmuls.append(tf.matmul(h, w))
+        h = tf.tanh(tf.nn.bias_add(matmuls[-1], b))
+        outs.append(h)
+    return tf.reduce_sum(h * h), xs, matmuls, outs
+
+
+def test_a_budget_keeps_the_end_of_a_matmuls_cheap_chain_and_recomputes_less(monkeypatch):
+    """A MatMul's output read only by its BiasAdd, then a tanh: keeping the tanh's
+    output holds the same bytes and spares both (memsave.planner.expensive). The budget
+    recomputes less than it does keeping the MatMul outputs themselves, within the same
+    limit, and its gradients are tf.gradients' in float64."""
+    from memsave.planner import expensive as expensive_lib
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, matmuls, outs = _biased_dense_stack(blocks=16)
+        model = planner.model_of(ForwardRegion.build([loss], xs))
+        ids = model.graph.id_of
+        assert [expensive_lib.chain_end(model.graph, ids(m))[0] for m in matmuls] == \
+            [ids(o) for o in outs]
+        limit = int(0.8 * model.baseline(allocator=True).device_peak_bytes)
+        expensive = planned_strategies._expensive_outputs(model.graph)
+        assert len(search._Search(model).candidates.tensors) > search.LOCAL_SEARCH_LIMIT
+        found, plan, _ = search.within_budget(model, limit, expensive)
+        direct_only = expensive_lib.rankings(model.graph, expensive)[:1]
+        monkeypatch.setattr(search, "rankings", lambda graph, expensive: direct_only)
+        before, _, _ = search.within_budget(model, limit, expensive)
+        monkeypatch.undo()
+        expected = tf.gradients(loss, xs)
+        got = memsave.gradients(loss, xs, checkpoints=memsave.budget(0.8))
+        report = memsave.last_report()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            want, have = session.run([expected, got])
+    assert found.device_peak_bytes <= limit and found.cost_flops < before.cost_flops
+    assert {ids(o) for o in outs[:-1]} & set(plan)
+    assert report.recompute_flops <= found.recompute_flops  # (it may read its last segment too)
+    for w, h in zip(want, have):
+        np.testing.assert_allclose(h, w, rtol=1e-12, atol=1e-14)

@@ -10,7 +10,9 @@ the tensors crossing a cut split the forward pass in two.
   recomputing no more, the one with the smallest segments (least recomputation per
   segment): what the model leaves out grows with a segment.
 - `within_budget`: the least recomputation whose predicted peak fits a limit:
-  those plans, each also with the outputs of expensive ops kept while they fit.
+  those plans, each also with the outputs of expensive ops kept while they fit (as
+  they are, and at the ends of the cheap ops they flow through alone:
+  memsave.planner.expensive).
   A plan fits when the chunks the device's allocator would hold for it do
   (MemoryModel.predict(..., allocator=True)), where the model simulates one: a
   plan filled up to the limit by its live tensors alone would overrun it. The
@@ -40,6 +42,7 @@ import itertools
 
 from memsave.planner import costs
 from memsave.planner.candidates import Candidates
+from memsave.planner.expensive import rankings
 from memsave.planner.local_search import improved
 
 EXACT_PEAK_LIMIT = 10
@@ -252,15 +255,6 @@ def _longest_from(high, ok):
     return 0
 
 
-def _ranked(graph, expensive):
-    """Expensive outputs by recomputation saved per byte kept, best first; among equals
-    the latest first: a tensor made late in the forward pass is freed early in the
-    backward pass, so it is alive for the shortest time."""
-    expensive = [t for t in expensive if graph.size[t] > 0]
-    return sorted(expensive, key=lambda t: (-graph.cost[graph.producer[t]] / graph.size[t],
-                                            -graph.producer[t]))
-
-
 def minimise_peak(model, exact=None, expensive=(), tolerance=0.0, smallest_segments=False):
     """(Prediction, checkpoint tensor ids) of the plan with the lowest predicted peak.
 
@@ -284,8 +278,9 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0, smallest_segme
     if best is None or not expensive or exact:
         return best
     limit = int(best[0].peak_bytes * (1 + tolerance))
-    plan = search.with_expensive_outputs(best[1], _ranked(model.graph, expensive), limit)
-    return search.best([best[1], plan], fits=lambda p: p.peak_bytes <= limit, by_cost=True)
+    plans = [search.with_expensive_outputs(best[1], order, limit)
+             for order in rankings(model.graph, expensive)]
+    return search.best([best[1]] + plans, fits=lambda p: p.peak_bytes <= limit, by_cost=True)
 
 
 def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloadable=None,
@@ -340,17 +335,19 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
     # filled below and, at the end, about the cheapest until one fits.
     found = [f for f in (search.fit(plan, limit_bytes, allocator=False) for plan in plans)
              if f is not None]
-    ranked = _ranked(model.graph, expensive)
-    if ranked and found:
+    orders = [order for order in rankings(model.graph, expensive) if order]
+    if orders and found:
         # The plan with the most headroom may take the most expensive outputs.
         found.sort(key=lambda f: f[0].cost_flops)
         roomiest = min(found, key=lambda f: f[0].peak_bytes)
         bases = _first_fitting(search, found, limit_bytes, augmented)
+        # (in each order of memsave.planner.expensive: the outputs, their chains' ends)
         for _, plan, _ in bases + ([roomiest] if roomiest not in bases else []):
-            fitted = search.fit(search.with_expensive_outputs(plan, ranked, limit_bytes),
-                                limit_bytes)
-            if fitted is not None:
-                found.append(fitted)
+            for order in orders:
+                fitted = search.fit(search.with_expensive_outputs(plan, order, limit_bytes),
+                                    limit_bytes)
+                if fitted is not None:
+                    found.append(fitted)
     if len(tensors) <= LOCAL_SEARCH_LIMIT:
         # (the one-checkpoint plans among its starting points: it starts from the best
         # one and drops one checkpoint at a time, stopping where each drop alone costs

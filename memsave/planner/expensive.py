@@ -1,0 +1,75 @@
+"""Which tensors a budget keeps to recompute less, and in what order it tries them.
+
+A budget fills the room its plan leaves with the outputs of expensive ops (matmuls,
+convolutions: memsave.planner.opinfo.EXPENSIVE_OP_TYPES), best saving per byte first
+(memsave.planner.search). Often such an output flows alone through cheap ops of its
+own size before anything else reads it: a Dense layer's MatMul through its BiasAdd, a
+query-key product through the attention's scale and mask, a projection through
+dropout. Keeping the last of those holds the same bytes and saves recomputing the
+cheap ops too, and nothing the backward pass reads is lost (a MatMul's gradient reads
+its inputs, not its output). keras-hub GPT-2, budget(0.5): 12% less recomputation
+predicted (Intel Xeon, 2026-11-30; benchmarks/JOURNAL.md).
+
+The budget tries both orders, the outputs themselves and their chains' ends, and keeps
+the cheaper plan: the ends are no better where their consumers' order of freeing
+differs (the Keras-layer transformer's time budget found a higher peak with the ends
+alone).
+"""
+
+from memsave.planner.op_kinds import REGION
+from memsave.planner.opinfo import EXPENSIVE_OP_TYPES
+
+
+def rankings(graph, expensive):
+    """The orders (lists of tensor ids, best saving per byte first) in which a budget
+    tries keeping `expensive` (tensor ids of expensive ops' outputs): as they are, and,
+    where any flows through cheap ops of its size, with each replaced by the last of
+    those (`chain_end`). Duplicate orders are given once."""
+    direct = {t: graph.cost[graph.producer[t]] for t in expensive}
+    ends = {}
+    for t in expensive:
+        end, cost = chain_end(graph, t)
+        ends[end] = max(ends.get(end, 0), direct[t] + cost)
+    orders = [ranked(graph, direct)]
+    if ends != direct:
+        orders.append(ranked(graph, ends))
+    return orders
+
+
+def chain_end(graph, tensor):
+    """(end, cost): the last tensor of the chain of cheap ops that `tensor` flows
+    through alone, and what running those ops costs (0 and `tensor` itself where it
+    flows through none).
+
+    Each op of the chain is the only reader of the tensor before it, is recomputable
+    (a region op: never a stateful or random one), is not itself expensive, and makes
+    one output of the same size that is not a y; its other inputs are small, or come
+    from outside the region (variables, constants, the step's inputs): so keeping the
+    end instead spares the chain without holding anything larger.
+    """
+    cost = 0
+    while len(graph.consumers[tensor]) == 1:
+        op = graph.consumers[tensor][0]
+        outputs = graph.outputs[op]
+        if (graph.kind[op] != REGION or graph.ops[op].type in EXPENSIVE_OP_TYPES
+                or len(outputs) != 1 or graph.size[outputs[0]] != graph.size[tensor]
+                or graph.is_y[outputs[0]] or _reads_more(graph, op, tensor)):
+            break
+        cost += graph.cost[op]
+        tensor = outputs[0]
+    return tensor, cost
+
+
+def _reads_more(graph, op, tensor):
+    """Whether `op` reads a large region tensor besides `tensor`."""
+    return any(t != tensor and graph.kind[graph.producer[t]] == REGION and t not in graph.small
+               for t in graph.inputs[op])
+
+
+def ranked(graph, saved):
+    """The tensor ids of `saved` (tensor id -> recomputation that keeping it saves) by
+    saving per byte kept, best first; among equals the latest first: a tensor made late
+    in the forward pass is freed early in the backward pass, so it is alive for the
+    shortest time."""
+    kept = [t for t in saved if graph.size[t] > 0]
+    return sorted(kept, key=lambda t: (-saved[t] / graph.size[t], -graph.producer[t]))
