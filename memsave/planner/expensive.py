@@ -8,7 +8,7 @@ query-key product through the attention's scale and mask, a projection through
 dropout. Keeping the last of those holds the same bytes and saves recomputing the
 cheap ops too, and nothing the backward pass reads is lost (a MatMul's gradient reads
 its inputs, not its output). keras-hub GPT-2, budget(0.5): 12% less recomputation
-predicted (Intel Xeon, 2026-11-30; benchmarks/JOURNAL.md).
+predicted (Intel Xeon, 2026-11-29; benchmarks/JOURNAL.md).
 
 The budget tries both orders, the outputs themselves and their chains' ends, and keeps
 the cheaper plan: the ends are no better where their consumers' order of freeing
