@@ -6,9 +6,11 @@ convolutions: memsave.planner.opinfo.EXPENSIVE_OP_TYPES), best saving per byte f
 own size before anything else reads it: a Dense layer's MatMul through its BiasAdd, a
 query-key product through the attention's scale and mask, a projection through
 dropout. Keeping the last of those holds the same bytes and saves recomputing the
-cheap ops too, and nothing the backward pass reads is lost (a MatMul's gradient reads
-its inputs, not its output). keras-hub GPT-2, budget(0.5): 12% less recomputation
-predicted (Intel Xeon, 2026-11-29; benchmarks/JOURNAL.md).
+cheap ops too (a MatMul's gradient reads its inputs, not its output). Where a gradient
+reads a tensor inside the chain (a Softmax's reads its output), that part is recomputed
+all the same: the ranking then overstates the end's saving, and the simulation, which
+prices every plan the budget takes, decides. keras-hub GPT-2, budget(0.5): 12% less
+recomputation predicted (Intel Xeon, 2026-11-29; benchmarks/JOURNAL.md).
 
 The budget tries both orders, the outputs themselves and their chains' ends, and keeps
 the cheaper plan: the ends are no better where their consumers' order of freeing
@@ -26,7 +28,7 @@ def rankings(graph, expensive):
     where any flows through cheap ops of its size, with each replaced by the last of
     those (`chain_end`). Duplicate orders are given once."""
     direct = {t: graph.cost[graph.producer[t]] for t in expensive}
-    ends = {}
+    ends = {}  # (two outputs reach one end only through small tensors: the larger saving)
     for t in expensive:
         end, cost = chain_end(graph, t)
         ends[end] = max(ends.get(end, 0), direct[t] + cost)
@@ -38,14 +40,14 @@ def rankings(graph, expensive):
 
 def chain_end(graph, tensor):
     """(end, cost): the last tensor of the chain of cheap ops that `tensor` flows
-    through alone, and what running those ops costs (0 and `tensor` itself where it
+    through alone, and what running those ops costs (`tensor` itself and 0 where it
     flows through none).
 
     Each op of the chain is the only reader of the tensor before it, is recomputable
     (a region op: never a stateful or random one), is not itself expensive, and makes
-    one output of the same size that is not a y; its other inputs are small, or come
-    from outside the region (variables, constants, the step's inputs): so keeping the
-    end instead spares the chain without holding anything larger.
+    one output of the same size and dtype that is not a y; its other inputs are small,
+    or are never recomputed (variables, constants, the step's inputs, kept ops' outputs):
+    so keeping the end instead spares the chain without holding anything larger.
     """
     cost = 0
     while len(graph.consumers[tensor]) == 1:
@@ -53,6 +55,7 @@ def chain_end(graph, tensor):
         outputs = graph.outputs[op]
         if (graph.kind[op] != REGION or graph.ops[op].type in EXPENSIVE_OP_TYPES
                 or len(outputs) != 1 or graph.size[outputs[0]] != graph.size[tensor]
+                or graph.tensors[outputs[0]].dtype != graph.tensors[tensor].dtype
                 or graph.is_y[outputs[0]] or _reads_more(graph, op, tensor)):
             break
         cost += graph.cost[op]
