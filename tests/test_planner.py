@@ -2041,3 +2041,56 @@ def test_a_budget_keeps_the_end_of_a_matmuls_cheap_chain_and_recomputes_less(mon
     assert report.recompute_flops <= found.recompute_flops  # (it may read its last segment too)
     for w, h in zip(want, have):
         np.testing.assert_allclose(h, w, rtol=1e-12, atol=1e-14)
+
+
+# Where memsave.planner.expensive.chain_end stops following a MatMul's output, and
+# where it would stop without the rule that a tensor some gradient reads ends the chain.
+_CHAINS = {
+    # (a tanh's gradient reads its output, the end: the BiasAdd's reads nothing)
+    "bias_add_tanh": (lambda m, b, other: tf.tanh(tf.nn.bias_add(m, b)), "Tanh", "Square"),
+    # (a Relu's gradient reads its output: the product after it would be recomputed)
+    "relu_then_scaled": (lambda m, b, other: tf.nn.relu(tf.nn.bias_add(m, b)), "Relu", "Square"),
+    "softmax_then_dropout": (lambda m, b, other: tf.nn.softmax(m * 0.125), "Softmax", "Square"),
+    "read_twice": (lambda m, b, other: m, "MatMul", "MatMul"),          # m * m
+    "two_readers": (lambda m, b, other: m, "MatMul", "MatMul"),         # tanh(m) + sigmoid(m)
+    "dtype_changes": (lambda m, b, other: tf.nn.bias_add(m, b), "BiasAdd", "BiasAdd"),
+    "second_large_input": (lambda m, b, other: m, "MatMul", "MatMul"),  # m + h @ other
+}
+_AFTER = {
+    "relu_then_scaled": lambda t, other, h: t * 2.0,
+    "softmax_then_dropout": lambda t, other, h: tf.nn.dropout(t, 0.5, seed=1),
+    "read_twice": lambda t, other, h: t * t,
+    "two_readers": lambda t, other, h: tf.tanh(t) + tf.sigmoid(t),
+    "dtype_changes": lambda t, other, h: tf.cast(tf.cast(t, tf.float32) * 2.0, tf.float64),
+    "second_large_input": lambda t, other, h: (t + tf.matmul(h, other)) * 2.0,
+}
+
+
+@pytest.mark.parametrize("chain", sorted(_CHAINS))
+def test_a_matmuls_chain_ends_where_keeping_further_would_recompute_or_hold_more(chain):
+    """Each op of a chain reads alone the tensor before it, which no gradient reads;
+    makes one tensor of its size and dtype; reads no second large region tensor
+    (memsave.planner.expensive.chain_end). Without the gradient-read rule a Relu's or a
+    Softmax's chain would run on to the last same-sized tensor, though keeping that
+    recomputes the chain anyway."""
+    from memsave.planner import expensive as expensive_lib
+    make, end_type, end_without_read_rule = _CHAINS[chain]
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        h = tf.constant(rng.standard_normal([256, 64]))
+        w, b, other = (tf.convert_to_tensor(tf.Variable(rng.standard_normal(shape)))
+                       for shape in ([64, 64], [64], [64, 64]))
+        product = tf.matmul(h, w)
+        last = _AFTER.get(chain, lambda t, other, h: t)(make(product, b, other), other, h)
+        model = planner.model_of(ForwardRegion.build([tf.reduce_sum(tf.square(last))],
+                                                     [w, b, other]))
+    step = model.graph
+
+    def ends_at(read=None):
+        end, cost = expensive_lib.chain_end(step, step.id_of(product), read)
+        assert (cost > 0) == (end != step.id_of(product))
+        return step.ops[step.producer[end]].type
+
+    assert ends_at() == end_type
+    assert ends_at(read=set()) == end_without_read_rule

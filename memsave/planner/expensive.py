@@ -6,11 +6,11 @@ convolutions: memsave.planner.opinfo.EXPENSIVE_OP_TYPES), best saving per byte f
 own size before anything else reads it: a Dense layer's MatMul through its BiasAdd, a
 query-key product through the attention's scale and mask, a projection through
 dropout. Keeping the last of those holds the same bytes and saves recomputing the
-cheap ops too (a MatMul's gradient reads its inputs, not its output). Where a gradient
-reads a tensor inside the chain (a Softmax's reads its output), that part is recomputed
-all the same: the ranking then overstates the end's saving, and the simulation, which
-prices every plan the budget takes, decides. keras-hub GPT-2, budget(0.5): 12% less
-recomputation predicted (Intel Xeon, 2026-11-29; benchmarks/JOURNAL.md).
+cheap ops too (a MatMul's gradient reads its inputs, not its output). A chain ends at
+the first tensor a gradient reads (a Softmax's output, a Relu's, the input of x * x):
+kept further on, that tensor would be recomputed all the same, and with it the chain
+up to it. keras-hub GPT-2, budget(0.5): 12% less recomputation predicted (Intel Xeon,
+2026-11-29; benchmarks/JOURNAL.md).
 
 The budget tries both orders, the outputs themselves and their chains' ends, and keeps
 the cheaper plan: the ends are no better where their consumers' order of freeing
@@ -28,9 +28,10 @@ def rankings(graph, expensive):
     where any flows through cheap ops of its size, with each replaced by the last of
     those (`chain_end`). Duplicate orders are given once."""
     direct = {t: graph.cost[graph.producer[t]] for t in expensive}
+    read = read_by_gradients(graph)
     ends = {}  # (two outputs reach one end only through small tensors: the larger saving)
     for t in expensive:
-        end, cost = chain_end(graph, t)
+        end, cost = chain_end(graph, t, read)
         ends[end] = max(ends.get(end, 0), direct[t] + cost)
     orders = [ranked(graph, direct)]
     if ends != direct:
@@ -38,19 +39,27 @@ def rankings(graph, expensive):
     return orders
 
 
-def chain_end(graph, tensor):
+def read_by_gradients(graph):
+    """The tensor ids some op's gradient reads (StepGraph.grad_reads)."""
+    return {t for reads in graph.grad_reads for t in reads}
+
+
+def chain_end(graph, tensor, read=None):
     """(end, cost): the last tensor of the chain of cheap ops that `tensor` flows
     through alone, and what running those ops costs (`tensor` itself and 0 where it
     flows through none).
 
-    Each op of the chain is the only reader of the tensor before it, is recomputable
-    (a region op: never a stateful or random one), is not itself expensive, and makes
-    one output of the same size and dtype that is not a y; its other inputs are small,
-    or are never recomputed (variables, constants, the step's inputs, kept ops' outputs):
-    so keeping the end instead spares the chain without holding anything larger.
+    Each op of the chain is the only reader of the tensor before it, which no gradient
+    reads (`read`: read_by_gradients(graph), given where chain_end is called often); is
+    recomputable (a region op: never a stateful or random one), is not itself expensive,
+    and makes one output of the same size and dtype that is not a y; its other inputs
+    are small, or are never recomputed (variables, constants, the step's inputs, kept
+    ops' outputs): so keeping the end instead spares the whole chain, and the op that
+    made `tensor`, without holding anything larger.
     """
+    read = read_by_gradients(graph) if read is None else read
     cost = 0
-    while len(graph.consumers[tensor]) == 1:
+    while len(graph.consumers[tensor]) == 1 and tensor not in read:
         op = graph.consumers[tensor][0]
         outputs = graph.outputs[op]
         if (graph.kind[op] != REGION or graph.ops[op].type in EXPENSIVE_OP_TYPES
