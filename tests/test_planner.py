@@ -2094,3 +2094,35 @@ def test_a_matmuls_chain_ends_where_keeping_further_would_recompute_or_hold_more
 
     assert ends_at() == end_type
     assert ends_at(read=set()) == end_without_read_rule
+
+
+@pytest.mark.parametrize("allocator", [None, environment_lib.CPU_GROWING])
+def test_memory_keeps_the_matmul_outputs_its_lowest_peak_has_room_for(allocator):
+    """'memory' (lowest_peak()) adds matmul outputs to its lowest-peak plan while the
+    predicted peak holds them: it recomputes less than that plan alone
+    (lowest_peak(None)) at a peak no higher, with and without the allocator replayed.
+    (With BFC replayed, the limit the outputs were added under was the live tensors'
+    peak, below the allocator's: none was ever added.) None is added in the last
+    segment, which is read from the forward pass (memsave.planner.expensive.
+    outside_last_segment). Exact in float64."""
+    import contextlib
+    assumed = (environment_lib.assuming_allocator(allocator) if allocator
+               else contextlib.nullcontext())
+    graph = tf.Graph()
+    with graph.as_default(), assumed:
+        loss, xs, _, _ = _biased_dense_stack(blocks=24)
+        expected = tf.gradients(loss, xs)
+        memsave.gradients(loss, xs, checkpoints=memsave.strategies.lowest_peak(None))
+        alone = memsave.last_report()
+        got = memsave.gradients(loss, xs, checkpoints="memory")
+        filled = memsave.last_report()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            want, have = session.run([expected, got])
+    assert filled.recompute_flops < alone.recompute_flops
+    assert filled.predicted_peak_bytes <= alone.predicted_peak_bytes
+    assert any("matmul or convolution output" in c.reason for c in filled.checkpoints)
+    assert not any("matmul or convolution output" in c.reason for c in alone.checkpoints)
+    assert filled.reads_last_segment and alone.reads_last_segment
+    for w, h in zip(want, have):
+        np.testing.assert_allclose(h, w, rtol=1e-12, atol=1e-14)

@@ -8,7 +8,8 @@ the tensors crossing a cut split the forward pass in two.
   the cheapest cut in reach), each simulated; the lowest predicted peak wins, ties
   going to less recomputation; for 'memory', of the plans within NEAR_LOWEST of it
   recomputing no more, the one with the smallest segments (least recomputation per
-  segment): what the model leaves out grows with a segment.
+  segment: what the model leaves out grows with a segment), then with the outputs of
+  expensive ops kept while both its peaks (live, held) stay within a tolerance.
 - `within_budget`: the least recomputation whose predicted peak fits a limit:
   those plans, each also with the outputs of expensive ops kept while they fit (as
   they are, and at the ends of the cheap ops they flow through alone:
@@ -32,9 +33,8 @@ On small regions the searches try every subset of the candidate tensors, so smal
 graphs get the optimum of the model: up to EXACT_PEAK_LIMIT candidates for the
 lowest peak (which runs on every 'memory' call), up to EXACT_BUDGET_LIMIT for a
 budget, and up to EXACT_OFFLOAD_LIMIT for a budget that may offload (each candidate
-dropped, kept or offloaded: 3**n plans). One model evaluation per subset costs about
-a millisecond on a region of a few dozen ops (AMD EPYC, 2026-11-25): 2**10 subsets
-take a quarter of a second, 2**14 (the budget's limit before) took six.
+dropped, kept or offloaded: 3**n plans; 2**10 subsets take a quarter of a second on a
+region of a few dozen ops, AMD EPYC, 2026-11-25).
 """
 
 import dataclasses
@@ -42,7 +42,7 @@ import itertools
 
 from memsave.planner import costs
 from memsave.planner.candidates import Candidates
-from memsave.planner.expensive import rankings
+from memsave.planner.expensive import outside_last_segment, rankings
 from memsave.planner.local_search import improved
 
 EXACT_PEAK_LIMIT = 10
@@ -121,28 +121,31 @@ class _Search:
         return self.model.cost_of(plan, offloaded, self.offloadable.flops_per_byte,
                                   **self.flags)
 
-    def fits(self, plan, offloaded, limit_bytes, allocator=True):
-        """Whether `plan` peaks within `limit_bytes`: its live tensors, and (`allocator`)
-        the chunks the device's allocator holds for them, where the model simulates one."""
-        if self.predict(plan, offloaded).peak_bytes > limit_bytes:
+    def fits(self, plan, offloaded, limit_bytes, allocator=True, live_limit=None):
+        """Whether `plan` peaks within `limit_bytes`: its live tensors (and `live_limit`),
+        and (`allocator`) the chunks the device's allocator holds for them, where the
+        model simulates one."""
+        if self.predict(plan, offloaded).peak_bytes > min(limit_bytes, live_limit or limit_bytes):
             return False  # (the allocator never holds less than the tensors)
         return (not allocator or self.predict(plan, offloaded, allocator=True).device_peak_bytes
                 <= limit_bytes)
 
-    def fit(self, plan, limit_bytes, allocator=True):
-        """(Prediction, plan, offloaded) of `plan` within `limit_bytes` (as `fits`): as
-        it is, or with the fewest of its checkpoints offloaded (earliest first), or None.
+    def fit(self, plan, limit_bytes, allocator=True, live_limit=None):
+        """(Prediction, plan, offloaded) of `plan` within `limit_bytes` (and `live_limit`,
+        as `fits`): as it is, or with the fewest of its checkpoints offloaded (earliest
+        first), or None.
 
         The fewest offloaded whose live tensors fit is found first (no replay); the
         allocator's chunks never hold less, so its answer is searched from there up."""
-        if self.fits(plan, [], limit_bytes, allocator):
+        if self.fits(plan, [], limit_bytes, allocator, live_limit):
             return self.predict(plan, allocator=allocator), list(plan), []
         movable = self.movable(plan)
-        if not movable or not self.fits(plan, movable, limit_bytes, allocator):
+        if not movable or not self.fits(plan, movable, limit_bytes, allocator, live_limit):
             return None
 
         def fits_keeping(kept, allocator):  # (kept: how many of the latest stay on the device)
-            return self.fits(plan, movable[:len(movable) - kept], limit_bytes, allocator)
+            return self.fits(plan, movable[:len(movable) - kept], limit_bytes, allocator,
+                             live_limit)
 
         kept = _longest(0, len(movable) - 1, lambda count: fits_keeping(count, False))
         if allocator:
@@ -214,17 +217,18 @@ class _Search:
         return min(near, key=lambda f: (f[0].recompute_flops / max(f[0].segments, 1),
                                         f[0].recompute_flops))
 
-    def with_expensive_outputs(self, plan, expensive, limit_bytes):
+    def with_expensive_outputs(self, plan, expensive, limit_bytes, live_limit=None):
         """`plan` plus the longest prefix of `expensive` (best saving per byte first)
-        that keeps the predicted peak <= limit_bytes, offloading where that is allowed
-        and needed. The longest prefix whose live tensors fit is found first (binary
-        search, no replay); the allocator's chunks never hold less, so its answer is
-        searched from there down, near where it usually is."""
+        that keeps the predicted peak <= limit_bytes (and `live_limit`, as `fits`),
+        offloading where that is allowed and needed. The longest prefix whose live
+        tensors fit is found first (binary search, no replay); the allocator's chunks
+        never hold less, so its answer is searched from there down."""
         chosen = set(plan)
         extra = [t for t in expensive if t not in chosen]
 
         def fits(count, allocator):
-            return self.fit(list(plan) + extra[:count], limit_bytes, allocator) is not None
+            return self.fit(list(plan) + extra[:count], limit_bytes, allocator,
+                            live_limit) is not None
 
         most = _longest(0, len(extra), lambda count: fits(count, False))
         return list(plan) + extra[:_longest_from(most, lambda count: fits(count, True))]
@@ -263,7 +267,8 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0, smallest_segme
       exact: try every subset (default: when there are few candidates).
       expensive: tensor ids worth keeping to save recomputation; kept too as long
         as the peak stays within `tolerance` of the lowest.
-      tolerance: how much above the chosen plan's peak (a fraction) buys less
+      tolerance: how much above the chosen plan's peak (a fraction; of the peak as
+        the device's allocator holds it, where the model replays one) buys less
         recomputation.
       smallest_segments: of the cut plans nearly lowest, the one with the smallest
         segments (_Search.best; 'memory'), up to NEAR_LOWEST above the lowest.
@@ -277,10 +282,15 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0, smallest_segme
                        smallest_segments=smallest_segments and not exact)
     if best is None or not expensive or exact:
         return best
-    limit = int(best[0].peak_bytes * (1 + tolerance))
-    plans = [search.with_expensive_outputs(best[1], order, limit)
+    # (within both peaks' tolerance, live and held: the allocator's alone let the live tensors
+    # rise to it: a Keras MLP's 'memory' under fit 94.1 MiB, 86.4 predicted, Intel Xeon)
+    held = search.predict(best[1], allocator=True).device_peak_bytes
+    limit, live_limit = int(held * (1 + tolerance)), int(best[0].peak_bytes * (1 + tolerance))
+    expensive = outside_last_segment(model.graph, best[1], expensive)
+    plans = [search.with_expensive_outputs(best[1], order, limit, live_limit)
              for order in rankings(model.graph, expensive)]
-    return search.best([best[1]] + plans, fits=lambda p: p.peak_bytes <= limit, by_cost=True)
+    return search.best([best[1]] + plans, fits=lambda p: p.peak_bytes <= live_limit,
+                       by_cost=True)
 
 
 def within_budget(model, limit_bytes, expensive, exact=None, augmented=3, offloadable=None,
@@ -328,18 +338,16 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
     if exact:
         return _cheapest_subset(search, _subsets_with_offload(tensors, search.offloadable),
                                 limit_bytes)
-    # With offload, every segment size: fine cuts whose checkpoints wait on the host
-    # reach peaks that no plan without offload reaches.
+    # (with offload, every segment size: fine cuts offloaded reach peaks nothing else does)
     plans = search.cut_plans() if search.offloadable is None else search.all_cut_plans()
-    # Live tensors first (no replay); the allocator is asked only about the plans
-    # filled below and, at the end, about the cheapest until one fits.
+    # (live tensors first, no replay: the allocator is asked about the plans filled below
+    # and, at the end, about the cheapest until one fits)
     found = [f for f in (search.fit(plan, limit_bytes, allocator=False) for plan in plans)
              if f is not None]
     orders = [order for order in rankings(model.graph, expensive) if order]
     if orders and found:
-        # The plan with the most headroom may take the most expensive outputs.
         found.sort(key=lambda f: f[0].cost_flops)
-        roomiest = min(found, key=lambda f: f[0].peak_bytes)
+        roomiest = min(found, key=lambda f: f[0].peak_bytes)  # (room for the most outputs)
         bases = _first_fitting(search, found, limit_bytes, augmented)
         # (in each order of memsave.planner.expensive: the outputs, their chains' ends)
         for _, plan, _ in bases + ([roomiest] if roomiest not in bases else []):
@@ -349,10 +357,9 @@ def _within_budget(search, limit_bytes, expensive, exact, augmented):
                 if fitted is not None:
                     found.append(fitted)
     if len(tensors) <= LOCAL_SEARCH_LIMIT:
-        # (the one-checkpoint plans among its starting points: it starts from the best
-        # one and drops one checkpoint at a time, stopping where each drop alone costs
-        # more, so from the cut plans it may not reach them: on a random DAG of 14 ops,
-        # 3.49 MFLOP recomputed where one checkpoint that fits recomputes 2.89)
+        # (one-checkpoint plans too: dropping one checkpoint at a time from the cut
+        # plans, it may stop short of them: a random DAG of 14 ops, 3.49 MFLOP where one
+        # checkpoint that fits recomputes 2.89)
         singles = [[t] for t in tensors]
         found.append(improved(search, plans + [f[1] for f in found] + singles, limit_bytes))
     if search.offloadable is not None:  # never costlier than the plan without offload
