@@ -644,8 +644,10 @@ def test_capacity_answers_run_under_their_cap_and_a_fifth_more_runs_out():
     region (as a GPU holds its memory), runs at the answer and runs out of memory at
     1.2x it, with memsave ('memory') and with plain Keras. (With the weight gradients
     counted to the step's end and the batch sometimes outside the allocator,
-    memsave's answer was 5783 and 1.2x it, 6940, ran; now 6332, and 7599 runs out.
-    Intel Xeon, TensorFlow 2.21.)"""
+    memsave's answer was 5783 and 1.2x it, 6940, ran; then 6332, and 7599 ran out. Since
+    'memory' keeps matmul outputs the answer is 6962; its fill once let the live tensors
+    rise to the allocator's peak, and the answer crashed under the cap. Intel Xeon,
+    TensorFlow 2.21.)"""
     confirmation = capacity.confirm("mlp", timeout=300)
     table = capacity.format_confirmation(confirmation)
     print("\n" + table)
