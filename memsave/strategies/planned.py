@@ -78,10 +78,13 @@ def lowest_peak(tolerance=0.0):
         # running two side by side holds both (MobileNetV2: 79-115 MB with one plan).
         lowest = (f"lowest predicted peak of live tensors ({_mb(prediction.peak_bytes)} with "
                   f"{len(plan)} checkpoints)")
+        # (said of every matmul or convolution output kept: the lowest-peak plan may hold
+        # some of its own, and minimise_peak does not say which ones the fill added)
         spared = set(expensive)
         return Selection([Choice(model.graph.tensors[t],
-                                 f"{lowest}; a matmul or convolution output, kept to "
-                                 "recompute less" if t in spared else lowest) for t in plan],
+                                 f"{lowest}; a matmul or convolution output: keeping it "
+                                 "spares its recomputation" if t in spared else lowest)
+                          for t in plan],
                          read_checkpoints=False, recompute_ahead=False, order_backward=True)
     strategy.__name__ = "lowest_peak"
     return strategy
