@@ -45,7 +45,7 @@ def test_a_calibrated_byte_budget_counts_the_batch_a_placeholder_leaves_unknown(
     assert got["unknown_dim_size"] == 2048
     assert got["memory_calibration"].startswith("tf.gradients' step measured at")
     assert got["measured_baseline_mb"] == got["calibration_mb"]
-    # (The median of nine steps. Each segment's recomputation waits for the last built
+    # (The median of 25 steps. Each segment's recomputation waits for the last built
     # segment's whole backward pass, as the model has it; waiting for the gradient it
     # reads alone, this plan's steps measured 59.0-67.5 MiB, median 63.0, for 54.5
     # predicted, and 46.5-63.5, median 50-55.5, with it: AMD EPYC without AVX-512,
