@@ -52,9 +52,9 @@ def v1_unknown_batch(calibrated, fraction, layers=16, width=256, batch=2048, ste
     sess.run(grads, feed)
     # Which ops the executor runs side by side varies from step to step, and with it the
     # peak: the median of `steps` steps is the step's peak here, every one is returned.
-    # (About one step in five ran the next segment's recomputation early, 60-66.5 MiB
-    # against 51.5-55.5: a median of nine steps was above 62 in one CI run of 2.16; of 25
-    # steps, half run early about once in 2,500 processes. AMD EPYC with AVX-512.)
+    # (Steps measured 49.5-55.5 MiB or, about a third of them, 59-66.5; how many varies
+    # from process to process. A median of nine steps was 62.0 in one CI run of 2.16;
+    # of 25, it was 52.0-59.0 in six processes. AMD EPYC with AVX-512, TF 2.21.)
     # (Each step's results are dropped before the next: Session.run's arrays can share
     # the allocator's buffers, which would then be in use through the next step.)
     peaks = [peak_memory_bytes(lambda: sess.run(grads, feed))[0] / MIB for _ in range(steps)]
