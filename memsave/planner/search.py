@@ -282,10 +282,7 @@ def minimise_peak(model, exact=None, expensive=(), tolerance=0.0, smallest_segme
                        smallest_segments=smallest_segments and not exact)
     if best is None or not expensive or exact:
         return best
-    # (within both peaks' tolerance, live and held: the allocator's alone let the live tensors
-    # rise to it: a Keras MLP's 'memory' under fit 94.1 MiB, 86.4 predicted, Intel Xeon. The
-    # live peak's within PEAK_TIE too, as `best` counts peaks: keras-hub GPT-2's first matmul
-    # output raises it 0.1 MiB of 141.5 and lowers the held peak 156.5 -> 149.4.)
+    # (both: held alone let live rise, a fit MLP 94.1 MiB for 86.4; live within PEAK_TIE, as `best`)
     held = search.predict(best[1], allocator=True).device_peak_bytes
     limit = int(held * (1 + tolerance))
     live_limit = int(best[0].peak_bytes * (1 + tolerance + PEAK_TIE))

@@ -49,8 +49,9 @@ def lowest_peak(tolerance=0.0):
     within search.NEAR_LOWEST of it that recompute no more, the one with the smallest
     segments: what the model leaves out grows with a segment), and then the outputs of
     matmuls and convolutions, best saving per byte first, as long as the peak (as the
-    device's allocator holds it) stays within `tolerance` of that plan's: each one kept
-    is recomputed no more, and where the peak is elsewhere it costs no memory.
+    device's allocator holds it) stays within `tolerance` of that plan's, and its live
+    tensors' within `tolerance` + search.PEAK_TIE: each one kept is recomputed no more,
+    and where the peak is elsewhere it costs no memory.
     (Measured on the benchmarks' models, Intel Xeon with AVX-512: the default CNN 46
     checkpoints instead of 15, 1.38x tf.gradients' step time instead of 1.42x, a peak
     of 73.0 MiB instead of 75.8; benchmarks/JOURNAL.md.)
