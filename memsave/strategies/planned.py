@@ -52,9 +52,9 @@ def lowest_peak(tolerance=0.0):
     device's allocator holds it) stays within `tolerance` of that plan's, and its live
     tensors' within `tolerance` + search.PEAK_TIE: each one kept is recomputed no more,
     and where the peak is elsewhere it costs no memory.
-    (Measured on the benchmarks' models, Intel Xeon with AVX-512: the default CNN 46
-    checkpoints instead of 15, 1.38x tf.gradients' step time instead of 1.42x, a peak
-    of 73.0 MiB instead of 75.8; benchmarks/JOURNAL.md.)
+    (Measured on the benchmarks' default CNN, Intel Xeon with AVX-512, five runs: 36
+    checkpoints instead of 15, 1.34x tf.gradients' step time instead of 1.42x, a peak
+    of 70.3 MiB (0.17x); benchmarks/JOURNAL.md.)
 
     Args:
       tolerance: a fraction, e.g. 0.05, of the lowest peak that may be given up for less
