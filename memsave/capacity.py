@@ -80,7 +80,9 @@ class BatchPeak:
     @property
     def step_time(self):
         """The plan's step time over plain TensorFlow's, as the cost model predicts it
-        (memsave.planner.costs.step_time_ratio)."""
+        (the report's step_time_ratio; from `recompute_fraction` alone without one)."""
+        if self.report is not None:
+            return self.report.step_time_ratio
         return costs.step_time_ratio(self.recompute_fraction, 1.0)
 
 
@@ -137,8 +139,8 @@ class Capacity:
                      f"{self._answer(self.baseline_batch_size, 'baseline_peak_bytes')}")
         lines.append("(predicted by memsave's memory model; * marks a peak over "
                      f"{_mib(self.usable_bytes)}; "
-                     "step time: recomputation as forward passes over a step of "
-                     f"{costs.STEP_IN_FORWARD_PASSES:g})")
+                     "step time: the cost model's, recomputation over a step of "
+                     f"{costs.STEP_IN_FORWARD_PASSES:g} forward passes and its loops' weight sums)")
         return "\n".join(lines)
 
     def _answer(self, batch, field):

@@ -198,6 +198,7 @@ class Plan:
         report.predicted_segments = prediction.segments
         report.predicted_recomputed_ops = prediction.recomputed_ops
         report.forward_flops = prediction.forward_flops
+        report.loop_sums_flops = prediction.loop_sums_flops
         return report
 
 

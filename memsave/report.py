@@ -61,7 +61,8 @@ class RewriteReport:
     it holds, chunks rounded up as it hands them out (memsave.planner.allocator),
     and `predicted_live_bytes` is the plan's peak of live tensors alone. `peak_at` says
     where in the step the predicted peak falls. `recompute_flops` is the estimated cost of
-    the recomputed copies, `forward_flops` that of one forward pass of the region.
+    the recomputed copies (loops' included), `forward_flops` that of one forward pass of
+    the region, `loop_sums_flops` what its gradient loops' weight sums add to the step.
     `unknown_dims` tensors had unknown dimensions, counted as `unknown_dim_size`
     (see memsave.plan's and memsave.budget's `unknown_dim_size`, and memsave.batch_size),
     which came from `unknown_dim_source` ("given", "measured", the batch's source such
@@ -130,6 +131,7 @@ class RewriteReport:
     resident_bytes: Optional[int] = None
     recompute_flops: int = 0
     forward_flops: int = 0
+    loop_sums_flops: int = 0
     unknown_dims: int = 0
     unknown_dim_size: int = 1
     unknown_dim_source: Optional[str] = None
@@ -195,7 +197,7 @@ class RewriteReport:
         if self.fallback:
             return 1.0
         return costs.step_time_ratio(self.recompute_flops + self.transfer_flops,
-                                     self.forward_flops)
+                                     self.forward_flops, self.loop_sums_flops)
 
     def summary(self):
         if self.fallback:

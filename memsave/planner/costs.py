@@ -32,14 +32,23 @@ BACKWARD_TO_FORWARD = 2
 STEP_IN_FORWARD_PASSES = 1 + BACKWARD_TO_FORWARD
 
 
-def step_time_ratio(added_flops, forward_flops):
+def step_flops(forward_flops, loop_sums_flops=0):
+    """What plain tf.gradients' step costs: STEP_IN_FORWARD_PASSES forward passes, and
+    the running sums its gradient loops keep of the gradients of what their bodies read
+    from outside (`loop_sums_flops`: a weight-sized add per weight per iteration,
+    memsave.planner.loops.LoopMemory.sums_cost; on the LSTM benchmark, AMD EPYC with
+    AVX-512, the step measured 3.38 forward passes)."""
+    return STEP_IN_FORWARD_PASSES * forward_flops + loop_sums_flops
+
+
+def step_time_ratio(added_flops, forward_flops, loop_sums_flops=0):
     """A plan's step time over plain tf.gradients', as the cost model predicts it: the
-    step's STEP_IN_FORWARD_PASSES forward passes plus what the plan adds (its
-    recomputation and transfers, `added_flops`), over the step. What the rewrite costs
-    beyond its recomputation (benchmarks/time_breakdown.py) is not in it."""
+    step (`step_flops`) plus what the plan adds (its recomputation and transfers,
+    `added_flops`), over the step. What the rewrite costs beyond its recomputation
+    (benchmarks/time_breakdown.py) is not in it."""
     if not forward_flops:
         return 1.0
-    return 1.0 + added_flops / (STEP_IN_FORWARD_PASSES * forward_flops)
+    return 1.0 + added_flops / step_flops(forward_flops, loop_sums_flops)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,8 +50,8 @@ class StepGraph:
         (output-sized products reduced to a broadcast input's size, kernel workspaces).
       rewrite_grad_temporaries: op -> the same in memsave's rewrite, where it differs
         (convolution gradients that the rewrite runs one after the other).
-      cost: per op, what running it once costs (memsave.planner.costs: FLOPs of the
-        machine's matmuls/convolutions), without the per-op overhead.
+      cost: per region or kept op, what running it once costs (memsave.planner.costs:
+        matmul FLOPs; a loop: all its iterations), without the per-op overhead.
       costs: the Costs those come from (the one active when the step was built).
       is_x, is_y: per tensor, booleans.
       deferred: op id -> the (tensor id, gradient bytes) of its gradient that the
@@ -181,10 +181,12 @@ class StepGraph:
         for op in ops:
             step._add_op(op, _kind_of(op, region, kept))
             if op in kept and graph_loops.is_loop(op):
-                step.loops[step.op_id[op]] = loop_memory(
+                index = step.op_id[op]
+                step.loops[index] = loop_memory(
                     op, unknown_dim_size, stopped=op in region.stopped_ops,
                     under_xla=environment.under_xla, chunk=environment.loop_chunk,
-                    whole_run_ahead=environment.holds_a_limit)
+                    whole_run_ahead=environment.holds_a_limit, costs=step.costs)
+                step.cost[index] = step.loops[index].forward_cost
         if not environment.under_xla:  # (XLA's kernels make workspaces of their own)
             step._size_workspaces()
         region_tensors = [t for op in step.region_op_ids() for t in step.outputs[op]]
@@ -227,7 +229,7 @@ class StepGraph:
         self.grad_reads.append([])
         self.grad_inputs.append([])
         self.grad_temporaries.append(0)
-        self.cost.append(self.costs.of(op, self.unknown_dim_size) if kind == REGION else 0)
+        self.cost.append(self.costs.of(op, self.unknown_dim_size) if kind in (REGION, KEPT) else 0)
 
     def _size_workspaces(self):
         for tid, t in enumerate(self.tensors):
@@ -288,7 +290,7 @@ class StepGraph:
                 self.rewrite_grad_temporaries.pop(index, None)
 
     def _set_temporary_pieces(self, index, pieces):
-        if pieces > 1:
+        if pieces > 1:  # (one tensor: nothing to record)
             self._temporary_pieces[index] = (self.grad_temporaries[index], pieces)
 
     def temporary_pieces(self, op, nbytes):
@@ -460,13 +462,9 @@ def is_data(t):
 
 
 def _kind_of(op, region, kept):
-    if op in region:
-        return REGION
-    if op in kept:
-        return KEPT
-    if not op.inputs:
-        return RESIDENT
-    return FORWARD
+    if op in region or op in kept:
+        return REGION if op in region else KEPT
+    return FORWARD if op.inputs else RESIDENT
 
 
 def _forward_ops_in_order(ys):

@@ -19,6 +19,7 @@ import tensorflow as tf
 from memsave.graph import _tf_private
 from memsave.graph import loops as graph_loops
 from memsave.graph.select import TensorSet, get_backward_walk_ops, get_forward_walk_ops
+from memsave.planner import costs as costs_lib
 from memsave.planner import opinfo
 from memsave.region import estimated_bytes
 
@@ -49,6 +50,11 @@ class LoopMemory:  # (see `recomputed` for the decision)
         (under XLA, whose compiled loop runs one iteration after another).
       carried, carries: the bytes of one iteration's inputs the copy keeps (its carry),
         and how many of them it holds at once (`carries_kept`; in `kept_by_copy`).
+      body_cost, core_cost: what one iteration of the body, and of the core the copy's
+        gradient runs again, costs (memsave.planner.costs units, each op's overhead
+        included; `iteration_cost`). sums_cost: what one iteration of its gradient
+        loop adds to the running sums of the gradients of what the body reads from
+        outside (a weight-sized add per weight), TensorFlow's or the copy's.
     """
     iterations: int
     known: bool
@@ -61,6 +67,25 @@ class LoopMemory:  # (see `recomputed` for the decision)
     carried: int = 0
     carries: int = 0
     gradient_run_ahead_span: Optional[tuple] = None
+    body_cost: int = 0
+    core_cost: int = 0
+    sums_cost: int = 0
+
+    @property
+    def forward_cost(self):
+        """What the loop's run in the forward pass costs: every iteration's body."""
+        return self.iterations * self.body_cost
+
+    @property
+    def recompute_cost(self):
+        """What differentiating the loop through its recomputing copy adds to the step
+        (0 where it is not recomputed: `why_kept`): the copy runs the loop again, a
+        chunked copy's gradient runs each chunk once more before differentiating it,
+        and the gradient loop runs the core again every iteration (memsave.graph.loops)."""
+        if self.kept_by_copy is None:
+            return 0
+        runs = 2 if self.chunk > 1 else 1
+        return self.iterations * (runs * self.body_cost + self.core_cost)
 
     def run_ahead(self, end=None):
         """gradient_run_ahead as counted (`end` None), or its least (0) or most (1): how
@@ -129,7 +154,7 @@ def carries_kept(iterations, chunk):
 
 
 def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk="auto",
-                whole_run_ahead=False):
+                whole_run_ahead=False, costs=None):
     """The LoopMemory of while_v2 loop op `loop` (`memsave.graph.loops.is_loop`);
     `stopped`: one of its outputs is in the call's stop_gradients (its copy's would not
     be: the loop is differentiated as it is); `under_xla`: the step is compiled by XLA,
@@ -137,7 +162,9 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
     run beside the loop, keeping what it exists not to keep); `chunk`: the
     memsave.recompute_loops chunk (`chunk_for`); `whole_run_ahead`: count TensorFlow's
     gradient loop running its whole parallel_iterations ahead, not half (a step that
-    must fit a limit: Environment.holds_a_limit)."""
+    must fit a limit: Environment.holds_a_limit); `costs`: the memsave.planner.costs.Costs
+    its iterations are priced by (None: the active one)."""
+    costs = costs_lib.active() if costs is None else costs
     iterations = _iterations(loop)
     body = _tf_private.loop_body_to_read(loop, _tf_private.loop_output_shapes(loop))
     invariant = graph_loops.passed_on_unchanged(body)
@@ -167,8 +194,8 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
                       if t not in invariant)
         carries = carries_kept(count, chunk)
         kept_by_copy = carries * carried + outputs + per_iteration
-    products = sum(estimated_bytes(t, unknown_dim_size)
-                   for t in _read_from_outside(body, invariant))
+    read_from_outside = _read_from_outside(body, invariant)
+    products = sum(estimated_bytes(t, unknown_dim_size) for t in read_from_outside)
     parallel = min(loop.get_attr("parallel_iterations"), count)
     copy_parallel = min(parallel, graph_loops.PARALLEL_ITERATIONS)
     # (How far ahead the executor runs varies from step to step: on the LSTM benchmark
@@ -190,7 +217,41 @@ def loop_memory(loop, unknown_dim_size=1, stopped=False, under_xla=False, chunk=
                                                                       held_ahead(parallel)),
                       copy_run_ahead=(products + max(0, copy_parallel * (products - carried))
                                       + (_CHUNK_SUMS * products if chunk > 1 else 0)),
-                      chunk=chunk, carried=carried, carries=carries)
+                      chunk=chunk, carried=carried, carries=carries,
+                      body_cost=iteration_cost(body.get_operations(), costs, unknown_dim_size),
+                      core_cost=(iteration_cost(core.ops, costs, unknown_dim_size)
+                                 if core is not None else 0),
+                      sums_cost=_sums_cost(read_from_outside, costs, unknown_dim_size))
+
+
+def iteration_cost(ops, costs, unknown_dim_size=1, depth=0):
+    """What running loop body ops `ops` once costs (memsave.planner.costs units): each
+    op's price and overhead, a loop nested in them its body's times its iterations (1
+    where the graph does not say). A body's arguments are not ops that run."""
+    total = 0
+    for op in ops:
+        if op.type == "Placeholder":
+            continue
+        total += costs.op_overhead
+        if graph_loops.is_loop(op) and depth < _NESTED_LOOPS_PRICED:
+            inner = _tf_private.loop_body_to_read(op, _tf_private.loop_output_shapes(op))
+            total += (_iterations(op) or 1) * iteration_cost(
+                inner.get_operations(), costs, unknown_dim_size, depth + 1)
+        else:
+            total += costs.of(op, unknown_dim_size)
+    return int(total)
+
+
+def _sums_cost(read_from_outside, costs, unknown_dim_size):
+    """What a gradient loop's iteration costs to add the gradient of each tensor of
+    `read_from_outside` to its running sum: an elementwise add of its size."""
+    return int(sum(costs.op_overhead + costs.per_element
+                   * opinfo.elements(opinfo.sized_dims(t, unknown_dim_size) or [])
+                   for t in read_from_outside))
+
+
+# Loops nested deeper than this in a body are priced as ops that run once.
+_NESTED_LOOPS_PRICED = 4
 
 
 def _iterations(loop):

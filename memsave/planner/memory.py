@@ -52,8 +52,11 @@ class Prediction:
       resident_bytes: bytes alive before the step starts (inputs, variables).
       peak_at: where the peak happens, e.g. "backward of segment 3 of 9, gradient of conv2d_7".
       recompute_flops: estimated cost of the recomputed copies, in FLOPs, with each
-        copy's and each segment's overhead counted as FLOPs (memsave.planner.costs).
-      forward_flops: the same estimate for one forward pass of the region, for scale.
+        copy's and each segment's overhead counted as FLOPs (memsave.planner.costs);
+        the recomputing copies of loops (LoopMemory.recompute_cost) included.
+      forward_flops: the same estimate for one forward pass (a loop's with all its
+        iterations), for scale. loop_sums_flops: what the step's gradient loops add
+        to the sums of their weights' gradients (memsave.planner.costs.step_flops).
       checkpoint_bytes: bytes of the checkpoints kept.
       segments: number of recomputed segments.
       recomputed_ops: copies that run (Segmentation.executed), over all segments.
@@ -82,6 +85,7 @@ class Prediction:
     peak_at: str
     recompute_flops: int = 0
     forward_flops: int = 0
+    loop_sums_flops: int = 0
     checkpoint_bytes: int = 0
     segments: int = 0
     recomputed_ops: int = 0
@@ -143,7 +147,9 @@ class MemoryModel:
         self.beside = beside
         self.path_ops = [i for i, k in enumerate(graph.kind) if k in (REGION, KEPT)]
         self.forward_flops = int(sum(graph.cost[op] + graph.costs.op_overhead
-                                     for op in graph.region_op_ids()))
+                                     for op in self.path_ops))
+        self.loop_sums_flops = sum(loop.iterations * loop.sums_cost
+                                   for loop in graph.loops.values())
         self._predictions = {}  # key (checkpoints, offloaded, ...) or _BASELINE -> Prediction
         # The timeline simulated last, kept to replay that plan through the allocator
         # without simulating it again (a search checks a plan's tensors, then its
@@ -156,6 +162,9 @@ class MemoryModel:
         self._forward_passes = {}  # frozenset of unforwardable outputs -> ForwardPass
         self._setup = StepSetup(graph, expected, beside, frozenset(graph.recomputed_loops()),
                                 self.path_ops, Owners(graph), run_ahead_end)
+        # What every rewritten step adds besides its segments: the recomputing copies.
+        self._loops_recompute_flops = sum(graph.loops[op].recompute_cost
+                                          for op in self._setup.recomputed_loops)
         self._at_ends = None  # (the models of peak_range, made when first asked)
 
     # -- public -------------------------------------------------------------------
@@ -247,7 +256,8 @@ class MemoryModel:
             return prediction.cost_flops
         recompute, copied_back = simulate_plan.plan_costs(
             self.graph, self._segmentation(key), frozenset(key[1]))
-        return int(recompute) + self._transfer_flops(key[1], copied_back, flops_per_byte)
+        return (int(recompute) + self._loops_recompute_flops
+                + self._transfer_flops(key[1], copied_back, flops_per_byte))
 
     def _transfer_flops(self, offloaded, copied_back, flops_per_byte):
         """What copying `offloaded` out and `copied_back` in costs (0 without offload)."""
@@ -386,7 +396,9 @@ class MemoryModel:
         return Prediction(
             peak_bytes=peak, resident_bytes=self._resident,
             peak_at=self.describe(timeline.labels[at], segmentation),
-            recompute_flops=int(step.recompute_flops), forward_flops=self.forward_flops,
+            recompute_flops=int(step.recompute_flops) + (
+                0 if segmentation is None else self._loops_recompute_flops),
+            forward_flops=self.forward_flops, loop_sums_flops=self.loop_sums_flops,
             checkpoint_bytes=0 if segmentation is None else sum(
                 graph.size[t] for t in segmentation.reads_forward.held),
             segments=0 if segmentation is None else len(segmentation.order),

@@ -287,9 +287,10 @@ _given(["Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin",
        reduction=True)
 # Ops whose output is their input's buffer and that read none of it cost only an op's
 # overhead (not CheckNumerics, which scans its input; not Snapshot, which copies where
-# it cannot forward).
+# it cannot forward). A ReadVariableOp's output is its variable's buffer (a loop body
+# reads its weights every iteration: memsave.planner.loops.iteration_cost).
 _given(["Identity", "StopGradient", "Reshape", "Squeeze", "ExpandDims", "EnsureShape",
-        "PreventGradient"], moves_no_data=True)
+        "PreventGradient", "ReadVariableOp"], moves_no_data=True)
 # Ops whose outputs are worth keeping rather than recomputing (`expensive`): 'speed'
 # keeps them, and 'memory' (with a tolerance) and budgets add them to a plan while they
 # fit. The heavy ops, and kernels flops() does not count (fused and oneDNN kernels,

@@ -217,7 +217,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         limit too, refused where that peak is over the limit."""
         model = problem.model
         limit = self.limit_bytes(model, calibrated)
-        max_cost = int((self.time - 1) * costs.STEP_IN_FORWARD_PASSES * model.forward_flops)
+        max_cost = int((self.time - 1) * costs.step_flops(model.forward_flops,
+                                                          model.loop_sums_flops))
         best = search.lowest_peak_within_cost(
             model, max_cost, _expensive_outputs(model.graph),
             offloadable=_offloadable(model, problem),
@@ -238,7 +239,8 @@ class budget:  # noqa: N801 (reads as a function at the call site: checkpoints=m
         if plan is None:
             return Selection(plain=f"no plan within {self.time:g}x tf.gradients' predicted step "
                                    "time peaks lower: plain tf.gradients", calibrated=calibrated)
-        ratio = costs.step_time_ratio(prediction.cost_flops, prediction.forward_flops)
+        ratio = costs.step_time_ratio(prediction.cost_flops, prediction.forward_flops,
+                                      prediction.loop_sums_flops)
         choices = _choices(model, plan, f"lowest {_peak_kind(calibrated)} peak within "
                                         f"{self.time:g}x tf.gradients' step time (predicted "
                                         f"{ratio:.2f}x, {_mb(peak)})",
