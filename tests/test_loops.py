@@ -270,6 +270,8 @@ def test_a_loop_is_priced_by_its_iterations_and_its_copy_by_what_it_runs_again(c
             recomputed = memsave.plan(loss, [w], "memory")
         with costs.use(_PLAIN_PRICES), memsave.recompute_loops("never"):
             kept = memsave.plan(loss, [w], "memory")
+        with costs.use(_PLAIN_PRICES), memsave.recompute_loops("always", chunk=chunk):
+            timed = memsave.plan(loss, [w], memsave.budget(time=1.2))
     matmul = 2 * 64 * 64  # (x_t [1, 64] times w [64, 64], per iteration)
     # The body: the matmul, the add, the tanh and the slice of x_seq, and scalars.
     assert matmul + 3 * 64 <= memory.body_cost <= matmul + 3 * 64 + 16, memory
@@ -288,6 +290,8 @@ def test_a_loop_is_priced_by_its_iterations_and_its_copy_by_what_it_runs_again(c
     step = 3 * recomputed.forward_flops + recomputed.loop_sums_flops
     assert recomputed.step_time_ratio == pytest.approx(1 + recomputed.recompute_flops / step)
     assert recomputed.step_time_ratio > 1.3, recomputed.step_time_ratio
+    # A time budget counts the copy's runs: no plan recomputing the loop is within 1.2x.
+    assert "no plan within 1.2x" in (timed.fallback or ""), timed.summary()
 
 
 @pytest.mark.parametrize("loop_mode", ["never", "always"])
