@@ -268,8 +268,7 @@ def _traced_peak(python_step, signature, batch, optimizer_state, jit_compile=Non
     baseline = report.baseline_peak_bytes
     if planned is None or baseline is None:
         raise MemsaveError(f"memsave could not predict the step's peak: {report.fallback}")
-    fraction = 0.0 if report.fallback else (
-        report.recompute_flops / report.forward_flops if report.forward_flops else 0.0)
+    fraction = 0.0 if report.fallback else report.recompute_fraction
     return BatchPeak(batch, planned, baseline, fraction, report)
 
 
