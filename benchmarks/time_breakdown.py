@@ -16,16 +16,19 @@ by TensorFlow's profiler, and the time of every op the executor ran is summed by
 - other: ops the graph does not name as such (Grappler's rewrites and fusions).
 
 Then: the step-time ratio the recomputed ops alone would give (1 + their time over
-tf.gradients' op time), what the measured ratio adds beyond that, how much of the op
-time ran side by side (op time over the step's wall time: the rewrite's ordering edges
-lower it), the recomputed ops' time by op type, and the op types whose time changed
+tf.gradients' step, its wall time), what the measured ratio adds beyond that, how
+much of the op time ran side by side (op time over the step's wall time: the
+rewrite's ordering edges lower it), the recomputed ops' time by op type, and the op types whose time changed
 most outside the recomputation (a fusion Grappler no longer makes shows as more,
 smaller ops of the fused types). `--variants` times the plan without its ordering edges
 and recomputing ahead, each where that changes the plan (a budget's plan has no
 ordering edges: timing the same step again would show only the noise between runs).
 
 Op times are the executor's (each op's wall time on its inter-op thread, its Eigen
-work included), so they add to more than the step where two ops run at once.
+work included), so they add to more than the step where two ops run at once. With
+TF_NUM_INTEROP_THREADS=1 both steps run one op at a time, each op on all cores, as a
+GPU's stream runs its kernels: what is beyond the recomputation there is not the
+executor's overlap.
 """
 
 import argparse
@@ -223,13 +226,20 @@ def _same_plan(variant, planned):
 
 
 def derived(result):
-    """What the breakdown says: the ratio the recomputation alone would give, what the
-    measured ratio adds beyond it, and how much ran side by side."""
+    """What the breakdown says: the ratio the recomputation alone would give (1 + the
+    recomputed ops' time over tf.gradients' step), what the measured ratio adds beyond
+    it, and how much ran side by side.
+
+    The recomputed ops' time is taken over tf.gradients' step, its wall time, not over
+    its ops' summed time: where two ops run at once on a CPU each takes longer (both
+    share the cores), so the summed time overstates the step (the CNN's backward ops:
+    273 ms side by side, 182 ms one at a time in memsave's step), and the recomputation
+    would look smaller than the time it adds."""
     strategy = result["strategy"]
     theirs, mine = result[BASELINE], result[strategy]
-    their_ops = sum(theirs["seconds"].values())
+    their_step = theirs["wall_s"] or result["step_s"][BASELINE]
     recomputed = mine["seconds"]["recomputed"]
-    alone = 1 + recomputed / their_ops if their_ops else None
+    alone = 1 + recomputed / their_step if their_step else None
 
     def side_by_side(part):
         total = sum(part["seconds"].values())
@@ -266,7 +276,8 @@ def format_breakdown(result, top=8):
     walls = [part["wall_s"] * 1e3 if part["wall_s"] else float("nan") for part in (theirs, mine)]
     lines.append(f"{'step (profiled)':<22}{walls[0]:>12.1f} ms{'':7}{walls[1]:>16.1f} ms")
     lines.append("")
-    lines.append(f"the recomputed ops alone: {_ratio(facts['recomputed_alone'])}; measured "
+    lines.append(f"the recomputed ops ({mine['seconds']['recomputed'] * 1e3:.1f} ms) alone: "
+                 f"{_ratio(facts['recomputed_alone'])}; measured "
                  f"{result['time_ratio']:.2f}x: {_ratio(facts['beyond'], '+.2f', '')} beyond "
                  "the recomputation")
     side = facts["side_by_side"]
