@@ -18,9 +18,9 @@ by TensorFlow's profiler, and the time of every op the executor ran is summed by
 Then: the step-time ratio the recomputed ops alone would give (1 + their time over
 tf.gradients' step, its wall time), what the measured ratio adds beyond that, how
 much of the op time ran side by side (op time over the step's wall time: the
-rewrite's ordering edges lower it), the recomputed ops' time by op type, and the op types whose time changed
-most outside the recomputation (a fusion Grappler no longer makes shows as more,
-smaller ops of the fused types). `--variants` times the plan without its ordering edges
+rewrite's ordering edges lower it), the recomputed ops' time by op type, and the op
+types whose time changed most outside the recomputation (a fusion Grappler no longer
+makes shows as more, smaller ops of the fused types). `--variants` times the plan without its ordering edges
 and recomputing ahead, each where that changes the plan (a budget's plan has no
 ordering edges: timing the same step again would show only the noise between runs).
 

@@ -152,14 +152,21 @@ def _inter_op_threads(kernels, under_xla):
     core this process may use), at most MAX_SIDE_BY_SIDE."""
     if kernels is None or under_xla:
         return 1
-    configured = tf.config.threading.get_inter_op_parallelism_threads()
-    if not configured:
-        setting = os.environ.get("TF_NUM_INTEROP_THREADS", "")
-        configured = int(setting) if setting.strip().isdigit() else 0
+    configured = inter_op_threads_set()
     if not configured:
         configured = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else os.cpu_count() or 1)
     return max(1, min(configured, MAX_SIDE_BY_SIDE))
+
+
+def inter_op_threads_set():
+    """The executor's inter-op threads where this process sets them (tf.config.threading,
+    else TF_NUM_INTEROP_THREADS), else 0: TensorFlow's default, one per core."""
+    configured = tf.config.threading.get_inter_op_parallelism_threads()
+    if configured:
+        return configured
+    setting = os.environ.get("TF_NUM_INTEROP_THREADS", "").strip()
+    return int(setting) if setting.isdigit() else 0
 
 
 # The allocator a device whose memory is capped holds it with: one region, as a GPU's

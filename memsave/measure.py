@@ -214,18 +214,10 @@ def device_description():
     vector = "" if flags is None else (", AVX-512" if "avx512f" in flags else ", no AVX-512")
     kernels = "oneDNN on" if _tf_private.onednn_enabled() else "oneDNN off"
     # One inter-op thread runs one op at a time (as a GPU's stream): step times differ.
-    threads = _inter_op_threads_set()
+    from memsave import environment
+    threads = environment.inter_op_threads_set()
     executor = f", {threads} inter-op thread{'s' * (threads > 1)}" if threads else ""
     return f"CPU: {model}, {os.cpu_count()} cores{vector}, {kernels}{executor}"
-
-
-def _inter_op_threads_set():
-    """The executor's inter-op threads where this process sets them (tf.config.threading
-    or TF_NUM_INTEROP_THREADS), else 0: TensorFlow's default, one per core."""
-    import tensorflow as tf
-    configured = tf.config.threading.get_inter_op_parallelism_threads()
-    setting = os.environ.get("TF_NUM_INTEROP_THREADS", "").strip()
-    return configured or (int(setting) if setting.isdigit() else 0)
 
 
 # The dtypes DecodeRaw reads (tensorflow/core/kernels/decode_raw_op.cc).
