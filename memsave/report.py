@@ -90,7 +90,8 @@ class RewriteReport:
     segment's gradients read its tensors as the forward pass made them, which it has
     just made, so that it recomputes nothing (chosen on the same terms: a language
     model's head and loss are not run twice). `orders_backward` says whether each segment's
-    large gradient ops (large outputs, or reading a large tensor) run one after another,
+    large gradient ops (outputs, or a tensor read, of at least `ordered_bytes`: 1/16 of
+    the largest tensor, and 3% of the predicted peak) run one after another,
     in the order tf.gradients made them but an op's weight gradient before its input
     gradient, so that an executor running ops side by side holds what the memory model
     holds (the 'memory' strategy; not under XLA, nor where TensorFlow's own CPU
@@ -144,6 +145,7 @@ class RewriteReport:
     recomputes_ahead: bool = False
     reads_last_segment: bool = False
     orders_backward: bool = False
+    ordered_bytes: int = 0
     predicted_segments: int = 0
     predicted_recomputed_ops: int = 0
     loops: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
@@ -214,7 +216,8 @@ class RewriteReport:
 
     def _recomputation(self):
         ahead = ", each a segment ahead" if self.recomputes_ahead else ""
-        ahead += ", large gradient ops one after another" if self.orders_backward else ""
+        ahead += (f", gradient ops holding {_mb(self.ordered_bytes)} or more one after another"
+                  if self.orders_backward else "")
         if not self.segments:  # (memsave.plan builds none: what the model predicts)
             return (f"{_count(self.predicted_segments, 'segment')} would recompute "
                     f"{_count(self.predicted_recomputed_ops, 'op')}{ahead}")

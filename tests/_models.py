@@ -102,8 +102,8 @@ def resnet_chain(n=20, width=32):
     return [tf.reduce_mean(h * h)], [x], {}
 
 
-def deep_mlp(n=8, width=32):
-    x = _const([16, width], 2)
+def deep_mlp(n=8, width=32, batch=16):
+    x = _const([batch, width], 2)
     weights = [_var([width, width], 10 + i, 1.0 / np.sqrt(width)) for i in range(n)]
     biases = [_var([width], 50 + i, 0.1) for i in range(n)]
     h = x
