@@ -20,9 +20,10 @@ tf.gradients' step, its wall time), what the measured ratio adds beyond that, ho
 much of the op time ran side by side (op time over the step's wall time: the
 rewrite's ordering edges lower it), the recomputed ops' time by op type, and the op
 types whose time changed most outside the recomputation (a fusion Grappler no longer
-makes shows as more, smaller ops of the fused types). `--variants` times the plan without its ordering edges
-and recomputing ahead, each where that changes the plan (a budget's plan has no
-ordering edges: timing the same step again would show only the noise between runs).
+makes shows as more, smaller ops of the fused types). `--variants` times the plan
+without its ordering edges and recomputing ahead, each where that changes the plan (a
+budget's plan has no ordering edges: timing the same step again would show only the
+noise between runs).
 
 Op times are the executor's (each op's wall time on its inter-op thread, its Eigen
 work included), so they add to more than the step where two ops run at once. With

@@ -184,11 +184,13 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_one(case, mode):
     _assert_predicted(got, f"{case} with {mode}")
 
 
-# Steps whose measured peak moves with where BFC places a few chunks (2 MiB for 1, unsplit).
-_SET_BY_PLACEMENT = {("bfloat16_cnn", "memory"), ("nested_calls", "memory")}
-# Steps whose small gradient ops 'memory' leaves unordered (under 3% of its predicted
-# peak), which the executor runs in an order holding less than the model's.
-_UNORDERED_BELOW_THE_MODEL = {("scaled_attention", "memory")}
+# How far over the measured peak a prediction may be, where not PREDICTION_TOLERANCE:
+# steps whose measured peak moves with where BFC places a few chunks (2 MiB for 1,
+# unsplit), 25%; a step whose small gradient ops 'memory' leaves unordered (under 3% of
+# its predicted peak), which the executor runs in an order holding less than the
+# model's, 30%.
+_OVER_ALLOWED = {("bfloat16_cnn", "memory"): 0.25, ("nested_calls", "memory"): 0.25,
+                 ("scaled_attention", "memory"): 0.30}
 
 
 @pytest.mark.parametrize("case", ["keras_gpt", "scaled_attention", "nested_calls",
@@ -228,9 +230,8 @@ def test_the_prediction_holds_on_each_model_family(case, mode):
     13.3 predicted (+23% to +24%; 12.3-12.8 while every op was ordered; AMD EPYC with
     AVX-512, family 26): 30% over is allowed there, and 15% under, as everywhere."""
     got = measure(case, mode=mode)
-    over = (0.25 if (case, mode) in _SET_BY_PLACEMENT
-            else 0.30 if (case, mode) in _UNORDERED_BELOW_THE_MODEL else PREDICTION_TOLERANCE)
-    _assert_predicted(got, f"{case} with {mode}", over=over)
+    _assert_predicted(got, f"{case} with {mode}",
+                      over=_OVER_ALLOWED.get((case, mode), PREDICTION_TOLERANCE))
 
 
 def test_a_budget_on_a_language_model_is_predicted():

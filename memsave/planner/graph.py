@@ -462,8 +462,10 @@ def is_data(t):
 
 
 def _kind_of(op, region, kept):
-    if op in region or op in kept:
-        return REGION if op in region else KEPT
+    if op in region:
+        return REGION
+    if op in kept:
+        return KEPT
     return FORWARD if op.inputs else RESIDENT
 
 
