@@ -412,6 +412,33 @@ def test_the_sparse_cross_entropy_writes_into_the_logits_buffer():
     assert model.baseline().peak_bytes < 2 * block + 8 * vocab * 4 + 2 * 2**16
 
 
+def test_an_xs_gradient_holds_each_part_until_the_last_arrives():
+    """An x read twice, as a language model's embedding is by its lookup and by its tied
+    vocabulary head (logits = h E^T), gets its gradient in two parts: the head's, dense,
+    at the start of the backward pass, and the lookup's at its end. tf.gradients sums
+    them then (an AddN of both), so the head's part is alive through the whole backward
+    pass. Measured (keras-hub GPT-2, AMD EPYC with AVX-512): its 7.8 MiB part was alive
+    in every later segment of the 'memory' step, which the model, freeing it where it
+    was made, had put 16.5 MiB under the step; planned with it, 'memory' measures
+    142.3-144.3 MiB (0.24x), against 151.4-155.3."""
+    vocab, width, rows = 512, 64, 128
+    with tf.Graph().as_default():
+        embedding = tf.compat.v1.placeholder(tf.float32, [vocab, width])
+        ids = tf.constant(np.arange(rows) % vocab, tf.int32)
+        h = tf.gather(embedding, ids)
+        for _ in range(4):
+            h = tf.tanh(h)
+        logits = tf.matmul(h, tf.transpose(embedding))
+        loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(ids, logits))
+        model = planner.model_of(ForwardRegion.build([loss], [embedding]))
+        timeline, _ = model.simulated()
+    size = vocab * width * 4
+    parts = [b for b, kind in enumerate(timeline.kinds)
+             if kind == "gradients of xs" and timeline.bytes[b] == size]
+    head, last = parts[0], parts[-1]
+    assert timeline.starts[head] < timeline.starts[last] <= timeline.ends[head]
+
+
 def _dense_head(tanh_input=False):
     """A vocabulary head, BiasAdd(MatMul(h, w), b) and a sparse cross-entropy, beside a
     forward-only tensor alive across it (tanh(z), read after the head): the forward

@@ -234,6 +234,16 @@ class Gradients:
             if len(parts) == 1:
                 self.total[tid] = buffer
             else:
+                if self.graph.is_x[tid]:
+                    # The sum (an AddN) reads every part: an x read twice (a tied
+                    # embedding's lookup and vocabulary head) holds its first part
+                    # through the backward pass. (So does any tensor's: a residual's skip
+                    # gradient lives through its branch's backward pass. Held so for every
+                    # tensor, 'memory' planned the default CNN with longer segments, where
+                    # the model holds less than the step: 74.9 MiB at 1.35x against 71.6
+                    # at 1.29x, AMD EPYC with AVX-512; benchmarks/JOURNAL.md.)
+                    for part in parts:
+                        timeline.use(part, step)
                 self.total[tid] = timeline.buffer(step, nbytes, kind, self.tensor_owners[tid])
             if self.graph.is_x[tid]:
                 self._completed_x(tid, nbytes, step)
