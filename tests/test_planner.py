@@ -418,8 +418,8 @@ def test_an_xs_gradient_holds_each_part_until_the_last_arrives():
     at the start of the backward pass, and the lookup's at its end. tf.gradients sums
     them then (an AddN of both), so the head's part is alive through the whole backward
     pass. Measured (keras-hub GPT-2, AMD EPYC with AVX-512): its 7.8 MiB part was alive
-    in every later segment of the 'memory' step, which the model, freeing it where it
-    was made, had put 16.5 MiB under the step; planned with it, 'memory' measures
+    in every later segment of the 'memory' step, where the model, freeing it where it was
+    made, held 16.5 MiB less than the step; planned with it, 'memory' measures
     142.3-144.3 MiB (0.24x), against 151.4-155.3."""
     vocab, width, rows = 512, 64, 128
     with tf.Graph().as_default():
